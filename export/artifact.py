@@ -1,0 +1,199 @@
+"""Export driver: options -> model -> program -> manifest -> artifact directory, written atomically.
+
+The manifest is built from the same `KVSpec` that produced the constant
+methods, so the two cannot drift. Knows nothing about the runtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from mg.manifests import (
+    FileEntry, KVLayer, KVSpec, Manifest, MethodSpec, ModelFacts, Provenance, TensorSpec, constants as C,
+    write_manifest,
+)
+
+from .checkpoint import load_config, load_state
+from .config import PRESETS, MuseGlimmerConfig
+from .lower import ProgramParts, export_target, target_constants, to_program
+from .model import MuseGlimmer, init_random
+
+Progress = Callable[[str], None]
+PRESET_SEED = 0
+
+
+class ExportError(ValueError):
+    """Bad export options or inputs; the message is one line naming the flag or file."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    output_dir: Path
+    layout: str = C.LAYOUT_SEQUENCE
+    max_seqs: Optional[int] = None  # sequence layout
+    max_cells: Optional[int] = None  # cell layout
+    max_context: int = 2048
+    max_write: int = 64
+    dtype: Optional[str] = None  # None: the checkpoint's dtype
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class TargetSource:
+    name: str
+    cfg: MuseGlimmerConfig
+    model: MuseGlimmer
+    tokenizer: Optional[Path]  # tokenizer.json to copy into the artifact
+
+
+def load_target(checkpoint: Optional[Path], preset: Optional[str]) -> TargetSource:
+    if checkpoint is not None:
+        cfg = load_config(checkpoint, MuseGlimmerConfig)
+        model = MuseGlimmer(cfg)
+        load_state(checkpoint, model)
+        tok = Path(checkpoint) / C.TOKENIZER_FILE
+        return TargetSource(Path(checkpoint).resolve().name, cfg, model, tok if tok.is_file() else None)
+    if preset not in PRESETS:
+        raise ExportError(f"--preset is {preset!r}; allowed: {' | '.join(PRESETS)}")
+    cfg = PRESETS[preset]
+    return TargetSource(f"preset-{preset}", cfg, init_random(MuseGlimmer(cfg), PRESET_SEED), None)
+
+
+def check_options(opts: ExportOptions) -> None:
+    """Refuse bad options before any work is done."""
+    if opts.layout not in C.LAYOUTS:
+        raise ExportError(f"--kv-layout is {opts.layout!r}; allowed: {' | '.join(C.LAYOUTS)}")
+    if opts.layout == C.LAYOUT_SEQUENCE:
+        if opts.max_cells is not None:
+            raise ExportError("--max-cells applies to --kv-layout cell only; use --max-kv-seqs for sequence")
+        if opts.max_seqs is None or opts.max_seqs < 1:
+            raise ExportError(f"--max-kv-seqs is {opts.max_seqs}; allowed: an integer >= 1")
+    else:
+        if opts.max_seqs is not None:
+            raise ExportError("--max-kv-seqs applies to --kv-layout sequence only; use --max-cells for cell")
+        if opts.max_cells is None or opts.max_cells < 1:
+            raise ExportError(f"--max-cells is {opts.max_cells}; allowed: an integer >= 1")
+    if opts.max_context < 2:
+        raise ExportError(f"--max-context is {opts.max_context}; allowed: an integer >= 2")
+    if not 2 <= opts.max_write <= opts.max_context:
+        raise ExportError(f"--max-write is {opts.max_write}; allowed: an integer in [2, --max-context="
+                          f"{opts.max_context}]")
+    if opts.dtype not in (None, *C.DTYPES):
+        raise ExportError(f"--dtype is {opts.dtype!r}; allowed: {' | '.join(C.DTYPES)}")
+    out = Path(opts.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--output-dir {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not opts.force:
+        raise ExportError(f"--output-dir {out} exists and is not empty; pass --force to replace it")
+
+
+def target_kv(cfg: MuseGlimmerConfig, opts: ExportOptions, dtype: str) -> KVSpec:
+    layers = tuple(
+        KVLayer(layer_id=i, policy=C.POLICY_FLAT if cfg.is_global(i) else C.POLICY_RING, window=cfg.window(i),
+                n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim)
+        for i in range(cfg.n_layers))
+    return KVSpec(layout=opts.layout, max_seqs=opts.max_seqs, max_cells=opts.max_cells, capacity=opts.max_context,
+                  max_write=opts.max_write, dtype=dtype, layers=layers)
+
+
+def forward_method(cfg: MuseGlimmerConfig, kv: KVSpec, taps: tuple[int, ...]) -> MethodSpec:
+    outputs = [TensorSpec("logits", "logits of the selected rows", "float32", ("R", cfg.vocab_size))]
+    if taps:
+        outputs.append(TensorSpec("hidden", "residual entering each tapped layer", kv.dtype,
+                                  ("N", len(taps) * cfg.dim)))
+    return MethodSpec(
+        name=C.METHOD_FORWARD,
+        inputs=(TensorSpec("tokens", "token ids, sequences packed", "int64", ("N",)),
+                TensorSpec("positions", "position of each token in its sequence", "int64", ("N",)),
+                TensorSpec("seq_slots", "sequence slot of each token (max_seqs = scratch)", "int64", ("N",)),
+                TensorSpec("logits_rows", "rows that go through the LM head (R <= N)", "int64", ("R",))),
+        outputs=tuple(outputs),
+        bounds={"N": (1, kv.max_write), "R": (1, kv.max_write)},
+    )
+
+
+def constant_method_specs(constants: dict) -> tuple[MethodSpec, ...]:
+    specs = []
+    for name, value in sorted(constants.items()):
+        shape = (len(value),) if isinstance(value, list) else ()
+        specs.append(MethodSpec(name=name, inputs=(), outputs=(TensorSpec("value", "constant", "int64", shape),)))
+    return tuple(specs)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progress) -> Manifest:
+    """Export `target` under `opts` into `opts.output_dir`; nothing is left behind on failure."""
+    check_options(opts)
+    t0 = time.perf_counter()
+    cfg = target.cfg
+    dtype = opts.dtype or cfg.dtype
+    model = target.model.to(getattr(torch, dtype)).eval()
+    kv = target_kv(cfg, opts, dtype)
+    progress(f"model {target.name}: {cfg.n_layers} layers ({len(kv.ring_layers)} ring, "
+             f"{cfg.n_layers - len(kv.ring_layers)} flat), dim {cfg.dim}, vocab {cfg.vocab_size}, "
+             f"{cfg.n_params() / 1e6:.2f}M parameters, {dtype}")
+    progress(f"torch.export forward (tokens per step 1..{opts.max_write})")
+    methods = {C.METHOD_FORWARD: export_target(model, opts.max_write)}
+    constants = target_constants(cfg, kv)
+    program = to_program(ProgramParts(methods, constants), progress)
+
+    out = Path(opts.output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        (tmp / C.PROGRAM_FILE).write_bytes(program)
+        files = [C.PROGRAM_FILE]
+        if target.tokenizer is not None:
+            shutil.copyfile(target.tokenizer, tmp / C.TOKENIZER_FILE)
+            files.append(C.TOKENIZER_FILE)
+        manifest = Manifest(
+            format=C.FORMAT, version=C.VERSION,
+            model=ModelFacts(name=target.name, vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
+                             bos_id=cfg.bos_id, eos_ids=tuple(cfg.eos_ids), dtype=dtype),
+            kv=kv, draft=None,
+            methods=(forward_method(cfg, kv, ()),) + constant_method_specs(constants),
+            files=tuple(FileEntry(f, (tmp / f).stat().st_size, _sha256(tmp / f)) for f in files),
+            provenance=Provenance(tool_version=_version("mg-toolchain"), torch_version=torch.__version__,
+                                  executorch_version=_version("executorch")),
+        )
+        write_manifest(manifest, tmp / C.MANIFEST_FILE)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress(f"wrote {out} ({len(program) / 1e6:.2f} MB program) in {time.perf_counter() - t0:.1f}s")
+    return manifest
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished `src` into place at `dst`; an old `dst` is removed only after the move."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{time.time_ns()}")
+        dst.rename(old)
+    src.rename(dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

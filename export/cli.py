@@ -1,0 +1,72 @@
+"""`mg-export`: parse flags into `ExportOptions`, call `export_artifact`, turn errors into one line."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from mg.manifests import ManifestError, constants as C
+
+from .checkpoint import CheckpointError
+from .config import PRESETS, ConfigError
+
+
+def _progress():
+    t0 = time.perf_counter()
+
+    def say(msg: str) -> None:
+        click.echo(f"[mg-export {time.perf_counter() - t0:6.1f}s] {msg}", err=True)
+
+    return say
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Native checkpoint directory (config.json + model.safetensors).")
+@click.option("--preset", type=str, default=None,
+              help=f"Random-weight configuration instead of a checkpoint: {' | '.join(PRESETS)}.")
+@click.option("--kv-layout", "layout", type=str, default=C.LAYOUT_SEQUENCE, show_default=True,
+              help="KV cache layout, fixed at export: sequence (kBatchedSequence) | cell (kBatchedCell).")
+@click.option("--max-kv-seqs", "max_seqs", type=int, default=None,
+              help="Sequence layout: sequences served at once [default: 8].")
+@click.option("--max-cells", type=int, default=None, help="Cell layout: KV cells in the pool [default: 4096].")
+@click.option("--max-context", type=int, default=2048, show_default=True, help="Context length per sequence.")
+@click.option("--max-write", type=int, default=64, show_default=True,
+              help="Tokens written per step, all sequences together.")
+@click.option("--dtype", type=str, default=None, help="float32 | bfloat16 [default: the checkpoint's].")
+@click.option("-o", "--output-dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
+@click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
+def main(checkpoint, preset, layout, max_seqs, max_cells, max_context, max_write, dtype, output_dir, force):
+    """Export an MG model to an ExecuTorch program (model.pte) with manifest.json."""
+    from .artifact import ExportError, ExportOptions, check_options, export_artifact, load_target
+
+    if checkpoint is not None and preset is not None:
+        _die("--checkpoint and --preset are exclusive; give one")
+    if checkpoint is None and preset is None:
+        preset = "tiny"
+    if layout == C.LAYOUT_SEQUENCE and max_seqs is None and max_cells is None:
+        max_seqs = 8
+    if layout == C.LAYOUT_CELL and max_cells is None and max_seqs is None:
+        max_cells = 4096
+    opts = ExportOptions(output_dir=output_dir, layout=layout, max_seqs=max_seqs, max_cells=max_cells,
+                         max_context=max_context, max_write=max_write, dtype=dtype, force=force)
+    say = _progress()
+    try:
+        check_options(opts)
+        say(f"loading {'checkpoint ' + str(checkpoint) if checkpoint else 'preset ' + preset}")
+        target = load_target(checkpoint, preset)
+        export_artifact(opts, target, say)
+    except (ExportError, CheckpointError, ConfigError, ManifestError) as e:
+        _die(str(e))
+
+
+def _die(msg: str) -> None:
+    click.echo(f"mg-export: error: {msg}", err=True)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
