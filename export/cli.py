@@ -47,6 +47,8 @@ def main(checkpoint, preset, layout, max_seqs, max_cells, max_context, max_write
         _die("--checkpoint and --preset are exclusive; give one")
     if checkpoint is None and preset is None:
         preset = "tiny"
+    if preset is not None and preset not in PRESETS:
+        _die(f"--preset is {preset!r}; allowed: {' | '.join(PRESETS)}")
     if layout == C.LAYOUT_SEQUENCE and max_seqs is None and max_cells is None:
         max_seqs = 8
     if layout == C.LAYOUT_CELL and max_cells is None and max_seqs is None:

@@ -29,8 +29,8 @@ class ReferenceKV:
 
     def _write(self, layer_id, seq, pos, k, v):
         key = (layer_id, seq)
-        old_k = self.k.get(key, k[:0])
-        old_v = self.v.get(key, v[:0])
+        old_k = self.k.get(key, k.new_empty((0, *k.shape)))
+        old_v = self.v.get(key, v.new_empty((0, *v.shape)))
         if pos < old_k.shape[0]:  # overwrite: drop what follows (a rewind by rewriting)
             old_k, old_v = old_k[:pos], old_v[:pos]
         assert pos == old_k.shape[0], f"reference KV: position {pos} skips ahead of length {old_k.shape[0]}"

@@ -1,0 +1,184 @@
+"""The drafter's side of export: method wrappers, its cache spec, constants, manifest facts and method specs.
+
+Two methods, both calling the `mg::` draft ops so the graph holds no KV:
+`draft_append(hidden[M, taps*dim], positions[M], seq_slots[M]) -> ack[M]` and
+`draft_block(tokens[B, T], positions[B, T], seq_slots[B]) -> logits[B, T-1, V]`.
+`draft_block` holds the target's `tok_embeddings` and `output` modules under
+the same names as the target's `forward` (`model.tok_embeddings.weight`,
+`model.output.weight`); ExecuTorch's emitter stores constants once per
+distinct content (sha256 of the bytes, across all methods of a program), so
+the artifact stores them once. Knows nothing about the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+import mg.kernels  # noqa: F401  (registers mg:: ops)
+from mg.manifests import DraftFacts, KVLayer, KVSpec, MethodSpec, TensorSpec, constants as C
+
+from .checkpoint import load_config, load_state
+from .config import ConfigError, MuseGlimmerConfig
+from .draft_model import DRAFT_PRESETS, DFlashConfig, DFlashDraft
+from .model import MuseGlimmer, init_random
+
+
+class DraftAppendMethod(nn.Module):
+    """The `draft_append` method: committed rows' target hidden -> context K/V of every layer into the draft cache."""
+
+    def __init__(self, draft: DFlashDraft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, hidden, positions, seq_slots):
+        return self.draft.append(hidden, positions, seq_slots, torch.ops.mg.draft_append.default)
+
+
+class _TargetShared(nn.Module):
+    """The target's embedding table and LM head, under the target's own parameter names."""
+
+    def __init__(self, target: MuseGlimmer):
+        super().__init__()
+        self.tok_embeddings = target.tok_embeddings
+        self.output = target.output
+
+
+class DraftBlockMethod(nn.Module):
+    """The `draft_block` method: [anchor, MASK, ...] rows of B sequences -> proposal logits [B, T-1, V]."""
+
+    def __init__(self, draft: DFlashDraft, target: MuseGlimmer):
+        super().__init__()
+        self.draft = draft
+        self.model = _TargetShared(target)  # same FQNs as TargetForward.model.*
+
+    def forward(self, tokens, positions, seq_slots):
+        return self.draft.block_logits(tokens, positions, seq_slots, self.model.tok_embeddings.weight,
+                                       self.model.output.weight, torch.ops.mg.draft_attend.default)
+
+
+def draft_max_seqs(kv: KVSpec) -> int:
+    """Sequence slots of the draft cache (the bound on B of `draft_block`).
+
+    Sequence layout: the target's `max_seqs`. Cell layout (no sequence count in the KV spec): every served
+    sequence writes at least one token per target step and holds at least one cell, so no more than
+    min(max_write, max_cells) sequences are ever active at once; the runtime sizes its slot table to this.
+    """
+    if kv.layout == C.LAYOUT_SEQUENCE:
+        return kv.max_seqs
+    return min(kv.max_write, kv.max_cells)
+
+
+def draft_kv_spec(dcfg: DFlashConfig, target_kv: KVSpec) -> KVSpec:
+    """The draft context cache: the target's layout, slot/cell limits, capacity, max_write and dtype;
+    one layer per draft layer, ring when the drafter has a sliding window, else flat."""
+    window = dcfg.sliding_window
+    policy = C.POLICY_RING if window > 0 else C.POLICY_FLAT
+    layers = tuple(KVLayer(layer_id=i, policy=policy, window=window, n_kv_heads=dcfg.n_kv_heads,
+                           head_dim=dcfg.head_dim) for i in range(dcfg.n_layers))
+    return dataclasses.replace(target_kv, layers=layers)
+
+
+def draft_constants(dcfg: DFlashConfig, draft_kv: KVSpec) -> dict:
+    return {
+        C.GET_DRAFT_OFFGRAPH_KV_MAX_SEQS: draft_max_seqs(draft_kv),
+        C.GET_DRAFT_OFFGRAPH_KV_SEQ_CAPACITY: draft_kv.capacity,
+        C.GET_BLOCK_SIZE: dcfg.block_size,
+        C.GET_MASK_TOKEN_ID: dcfg.mask_token_id,
+        C.GET_N_TARGET_LAYERS: len(dcfg.target_layers),
+    }
+
+
+def draft_facts(dcfg: DFlashConfig, draft_kv: KVSpec) -> DraftFacts:
+    return DraftFacts(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+                      target_layers=tuple(dcfg.target_layers), n_layers=dcfg.n_layers, kv=draft_kv)
+
+
+def draft_append_method(dcfg: DFlashConfig, target: MuseGlimmerConfig, draft_kv: KVSpec) -> MethodSpec:
+    return MethodSpec(
+        name=C.METHOD_DRAFT_APPEND,
+        inputs=(TensorSpec("hidden", "target residual entering each tapped layer, committed rows", draft_kv.dtype,
+                           ("M", len(dcfg.target_layers) * target.dim)),
+                TensorSpec("positions", "position of each row in its sequence", "int64", ("M",)),
+                TensorSpec("seq_slots", "sequence slot of each row (max_seqs = scratch)", "int64", ("M",))),
+        outputs=(TensorSpec("ack", "data dependency on every layer's append; ignore the values", "float32",
+                            ("M",)),),
+        bounds={"M": (1, draft_kv.max_write)},
+    )
+
+
+def draft_block_method(dcfg: DFlashConfig, target: MuseGlimmerConfig, draft_kv: KVSpec) -> MethodSpec:
+    t = dcfg.block_size
+    return MethodSpec(
+        name=C.METHOD_DRAFT_BLOCK,
+        inputs=(TensorSpec("tokens", "[anchor, MASK, ...] per sequence", "int64", ("B", t)),
+                TensorSpec("positions", "anchor_pos + 0 .. T-1; context is positions < anchor_pos", "int64",
+                           ("B", t)),
+                TensorSpec("seq_slots", "draft cache slot of each sequence (max_seqs = scratch)", "int64", ("B",))),
+        outputs=(TensorSpec("logits", "proposal logits for positions anchor_pos + 1 .. anchor_pos + T-1",
+                            "float32", ("B", t - 1, target.vocab_size)),),
+        bounds={"B": (1, draft_max_seqs(draft_kv))},
+    )
+
+
+def draft_methods(dcfg: DFlashConfig, target: MuseGlimmerConfig, draft_kv: KVSpec) -> tuple[MethodSpec, ...]:
+    return draft_append_method(dcfg, target, draft_kv), draft_block_method(dcfg, target, draft_kv)
+
+
+def export_draft(draft: DFlashDraft, target: MuseGlimmer, max_write: int, max_seqs: int) -> dict:
+    """torch.export both draft methods: M in [1, max_write]; B in [1, max_seqs] (static 1 when max_seqs is 1),
+    T = block_size static. -> {method name: ExportedProgram}."""
+    if max_write < 2:
+        raise ValueError(f"max_write is {max_write}; allowed: an integer >= 2")
+    if max_seqs < 1:
+        raise ValueError(f"max_seqs is {max_seqs}; allowed: an integer >= 1")
+    cfg, dtype = draft.cfg, draft.fc.weight.dtype
+    m = Dim("n_rows", min=1, max=max_write)
+    hidden = torch.zeros(2, draft.fc.in_features, dtype=dtype)
+    append_args = (hidden, torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long))
+    b_ex = 2 if max_seqs >= 2 else 1
+    b = Dim("n_seqs", min=1, max=max_seqs) if max_seqs >= 2 else None
+    tokens = torch.full((b_ex, cfg.block_size), cfg.mask_token_id, dtype=torch.long)
+    positions = torch.arange(cfg.block_size).repeat(b_ex, 1)
+    block_args = (tokens, positions, torch.arange(b_ex))
+    with torch.no_grad():
+        append = torch.export.export(DraftAppendMethod(draft).eval(), append_args,
+                                     dynamic_shapes=({0: m}, {0: m}, {0: m}), strict=False)
+        block = torch.export.export(DraftBlockMethod(draft, target).eval(), block_args,
+                                    dynamic_shapes=({0: b}, {0: b}, {0: b}), strict=False)
+    return {C.METHOD_DRAFT_APPEND: append, C.METHOD_DRAFT_BLOCK: block}
+
+
+@dataclass(frozen=True)
+class DraftSource:
+    name: str
+    cfg: DFlashConfig
+    model: DFlashDraft
+
+
+def load_draft(checkpoint: Optional[Path], preset: Optional[str], target: MuseGlimmerConfig,
+               seed: int = 0) -> DraftSource:
+    """A drafter for `target` from a native checkpoint directory, or a random-weight preset."""
+    if checkpoint is not None:
+        cfg = load_config(checkpoint, DFlashConfig)
+        model = _checked(cfg, target, str(Path(checkpoint) / "config.json"))
+        load_state(checkpoint, model)
+        return DraftSource(Path(checkpoint).resolve().name, cfg, model)
+    if preset not in DRAFT_PRESETS:
+        raise ConfigError(f"--draft-preset is {preset!r}; allowed: {' | '.join(DRAFT_PRESETS)}")
+    cfg = DRAFT_PRESETS[preset]
+    model = _checked(cfg, target, f"--draft-preset {preset}")
+    return DraftSource(f"preset-{preset}", cfg, init_random(model, seed))
+
+
+def _checked(cfg: DFlashConfig, target: MuseGlimmerConfig, source: str) -> DFlashDraft:
+    try:
+        return DFlashDraft(cfg, target)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e} (drafter does not fit the target)") from None

@@ -1,0 +1,303 @@
+"""Triton attention for the two off-graph KV layouts: availability, launch plan, launchers.
+
+`attend_columns_triton` (kBatchedSequence) and `attend_cells_triton` (kBatchedCell) have
+the signatures and semantics of `attend_columns_ref` / `attend_cells_ref` in
+`attention_ref.py`; `write_columns_triton` / `write_cells_triton` scatter a step's K/V
+into the storage (torch references `write_columns_ref` / `write_cells_ref` below).
+The kernels themselves live in `triton_attention_jit.py`.
+
+Launchers read only shapes, strides and static arguments on the host; positions,
+slots and cell tables are read on the device, and the grid depends only on shapes,
+so a CUDA graph can capture and replay them. Knows nothing about caches' bookkeeping
+or the runtime; callers check `available()` and fall back to the torch reference,
+saying `reason` once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+def _why_unavailable() -> str:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        return ""
+    return "no CUDA device (set TRITON_INTERPRET=1 before importing triton to run the kernels on CPU)"
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """triton 3.6's interpreter does `int(array_of_one)`, which numpy >= 2.4 refuses, so a
+    loop with tensor bounds fails (triton-lang/triton#9171, fixed upstream by #9172).
+    Apply the upstream one-line fix, interpreter mode only."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "mg_numpy_2_4_fix", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.mg_numpy_2_4_fix = True
+    interpreter._patch_lang_tensor = patched
+
+
+reason: str = _why_unavailable()  # "" when the Triton kernels can run here
+if not reason:
+    from . import triton_attention_jit as _jit
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _patch_interpreter_for_numpy_2_4()
+
+
+def available() -> bool:
+    """Triton importable and either a CUDA device or the Triton interpreter (TRITON_INTERPRET=1)."""
+    return not reason
+
+
+LOG2E = 1.4426950408889634
+MIN_KEYS_PER_SPLIT = 256   # a split reads at least this many keys of the static span
+MAX_SPLITS = 64
+PREFILL_ROWS = 64          # tile rows (queries x group heads) of a prefill program
+_INTERPRETER_SMS = 132     # H200's count, so the interpreter exercises the same split policy
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Static tiling of one attention launch; depends only on shapes and static arguments."""
+
+    block_q: int      # queries per program (1 = decode)
+    gp: int           # group heads per query in the tile, a power of two (rows = block_q * gp >= 16)
+    block_n: int      # keys per tile
+    block_d: int      # head_dim padded to a power of two >= 16
+    num_splits: int   # split-K programs per (query block, KV head)
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def plan_attention(n_queries: int, n_slots: int, n_q_heads: int, n_kv_heads: int, head_dim: int, span: int,
+                   dtype: torch.dtype, sms: int, block_q: int | None = None,
+                   num_splits: int | None = None) -> LaunchPlan:
+    """Pick tiles and the split count from shapes only.
+
+    Decode (at most one query per sequence is possible: n_queries <= n_slots) uses one
+    query per program with its group heads padded to 16 rows for `tl.dot`; prefill
+    packs `PREFILL_ROWS // group` consecutive queries per program so a sequence's K/V
+    tile serves all of them. Split-K targets two waves of programs, never cutting the
+    static span below `MIN_KEYS_PER_SPLIT` keys per split.
+    """
+    group = n_q_heads // n_kv_heads
+    gp_pow = _next_pow2(group)
+    if block_q is None:
+        block_q = 1 if n_queries <= n_slots else max(1, PREFILL_ROWS // gp_pow)
+    gp = max(gp_pow, _next_pow2(max(1, 16 // block_q)))
+    block_d = max(16, _next_pow2(head_dim))
+    wide = dtype == torch.float32 or block_d > 128
+    block_n = 32 if wide else 64
+    if num_splits is None:
+        programs = math.ceil(n_queries / block_q) * n_kv_heads
+        by_span = max(1, math.ceil(span / MIN_KEYS_PER_SPLIT))
+        num_splits = max(1, min(math.ceil(2 * sms / programs), by_span, MAX_SPLITS))
+    return LaunchPlan(block_q=block_q, gp=gp, block_n=block_n, block_d=block_d, num_splits=num_splits,
+                      num_warps=4, num_stages=2)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_query_side(q: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor, kv: torch.Tensor,
+                      kv_name: str) -> None:
+    _require(available(), f"Triton attention is unavailable: {reason}")
+    _require(q.dim() == 3, f"q must be [N, Hq, D], got shape {tuple(q.shape)}")
+    _require(q.dtype in (torch.float32, torch.bfloat16), f"q dtype must be float32 or bfloat16, got {q.dtype}")
+    _require(kv.dtype == q.dtype, f"{kv_name} dtype {kv.dtype} must equal q dtype {q.dtype}")
+    _require(kv.shape[-1] == q.shape[-1], f"{kv_name} head_dim {kv.shape[-1]} != q head_dim {q.shape[-1]}")
+    _require(q.shape[1] % kv.shape[-2] == 0,
+             f"q heads ({q.shape[1]}) must be a multiple of {kv_name} KV heads ({kv.shape[-2]})")
+    _require(q.stride(-1) == 1 and kv.stride(-1) == 1, f"q and {kv_name} need a contiguous last dim (stride 1)")
+    n = q.shape[0]
+    for name, t in (("positions", positions), ("seq_slots", seq_slots)):
+        _require(t.dtype == torch.int64, f"{name} must be int64, got {t.dtype}")
+        _require(t.shape == (n,), f"{name} must be [N] = [{n}], got {tuple(t.shape)}")
+        _require(t.is_contiguous(), f"{name} must be contiguous")
+        _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    _require(kv.device == q.device, f"{kv_name} is on {kv.device}, q on {q.device}")
+
+
+def _span(window: int, rows: int) -> int:
+    _require(window >= 0, f"window must be >= 0 (0 = no limit), got {window}")
+    return min(window, rows) if window > 0 else rows
+
+
+def _launch_attention(q, k, v, positions, seq_slots, table, rows: int, span: int, n_slots: int, scale: float,
+                      k_strides: tuple[int, int, int], v_strides: tuple[int, int, int],
+                      table_strides: tuple[int, int], is_cell: bool, block_q: int | None,
+                      num_splits: int | None) -> torch.Tensor:
+    n, hq, d = q.shape
+    hkv = k.shape[-2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if n == 0:
+        return out
+    plan = plan_attention(n, n_slots, hq, hkv, d, span, q.dtype, _device_sms(q.device), block_q, num_splits)
+    if plan.num_splits > 1:
+        part_o = torch.empty((n, hq, plan.num_splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((n, hq, plan.num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    grid = (_cdiv(n, plan.block_q), hkv, plan.num_splits)
+    _jit._attend_kernel[grid](
+        q, k, v, out, part_o, part_lse, positions, seq_slots, table,
+        n, hq, span, rows, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_strides, *v_strides, *table_strides,
+        GROUP=hq // hkv, GP=plan.gp, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, HEAD_DIM=d,
+        BLOCK_D=plan.block_d, NUM_SPLITS=plan.num_splits, IS_CELL=is_cell,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if plan.num_splits > 1:
+        block_s = _next_pow2(plan.num_splits)
+        _jit._combine_splits_kernel[(n, hq)](
+            part_o, part_lse, out, hq, out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=plan.block_d, NUM_SPLITS=plan.num_splits,
+            BLOCK_S=block_s, num_warps=4 if block_s * plan.block_d <= 4096 else 8,
+        )
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def attend_columns_triton(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, positions: torch.Tensor,
+                          seq_slots: torch.Tensor, window: int, scale: float, *, block_q: int | None = None,
+                          num_splits: int | None = None) -> torch.Tensor:
+    """kBatchedSequence read side; same contract as `attend_columns_ref`.
+
+    q [N, Hq, D]; k_store/v_store [slots, rows, Hkv, D] (position p at row p % rows);
+    positions/seq_slots [N] int64 -> [N, Hq, D] in q's dtype. `block_q` / `num_splits`
+    override the plan (tests, tuning); by default they follow `plan_attention`.
+    """
+    _check_query_side(q, positions, seq_slots, k_store, "k_store")
+    _require(k_store.dim() == 4 and k_store.shape == v_store.shape,
+             f"k_store/v_store must both be [slots, rows, Hkv, D], got {tuple(k_store.shape)} and "
+             f"{tuple(v_store.shape)}")
+    _require(v_store.dtype == q.dtype and v_store.stride(-1) == 1 and v_store.device == q.device,
+             "v_store must match q's dtype and device and have a contiguous last dim")
+    rows = k_store.shape[1]
+    span = _span(window, rows)
+    return _launch_attention(
+        q, k_store, v_store, positions, seq_slots, positions, rows, span, k_store.shape[0], scale,
+        (k_store.stride(0), k_store.stride(1), k_store.stride(2)),
+        (v_store.stride(0), v_store.stride(1), v_store.stride(2)), (0, 0), False, block_q, num_splits)
+
+
+def attend_cells_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cell_table: torch.Tensor,
+                        positions: torch.Tensor, seq_slots: torch.Tensor, window: int, scale: float, *,
+                        block_q: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """kBatchedCell read side; same contract as `attend_cells_ref`.
+
+    q [N, Hq, D]; k_pool/v_pool [cells, Hkv, D]; cell_table [slots, capacity] int64
+    (cell of each position of each sequence); positions/seq_slots [N] int64 -> [N, Hq, D].
+    """
+    _check_query_side(q, positions, seq_slots, k_pool, "k_pool")
+    _require(k_pool.dim() == 3 and k_pool.shape == v_pool.shape,
+             f"k_pool/v_pool must both be [cells, Hkv, D], got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    _require(v_pool.dtype == q.dtype and v_pool.stride(-1) == 1 and v_pool.device == q.device,
+             "v_pool must match q's dtype and device and have a contiguous last dim")
+    _require(cell_table.dim() == 2 and cell_table.dtype == torch.int64 and cell_table.device == q.device,
+             f"cell_table must be [slots, capacity] int64 on {q.device}, got {tuple(cell_table.shape)} "
+             f"{cell_table.dtype} on {cell_table.device}")
+    capacity = cell_table.shape[1]
+    span = _span(window, capacity)
+    return _launch_attention(
+        q, k_pool, v_pool, positions, seq_slots, cell_table, capacity, span, cell_table.shape[0], scale,
+        (0, k_pool.stride(0), k_pool.stride(1)), (0, v_pool.stride(0), v_pool.stride(1)),
+        (cell_table.stride(0), cell_table.stride(1)), True, block_q, num_splits)
+
+
+def write_columns_ref(k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
+    """k/v [N, Hkv, D] -> k_store/v_store[seq_slots, positions % rows] (in place)."""
+    rows = k_store.shape[1]
+    k_store[seq_slots, positions % rows] = k
+    v_store[seq_slots, positions % rows] = v
+
+
+def write_cells_ref(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    cell_table: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
+    """k/v [N, Hkv, D] -> k_pool/v_pool[cell_table[seq_slots, positions]] (in place)."""
+    cells = cell_table[seq_slots, positions]
+    k_pool[cells] = k
+    v_pool[cells] = v
+
+
+def _check_write(k, v, dst_k, dst_v, positions, seq_slots) -> None:
+    _require(available(), f"Triton attention is unavailable: {reason}")
+    _require(k.dim() == 3 and k.shape == v.shape, f"k/v must both be [N, Hkv, D], got {tuple(k.shape)}, "
+             f"{tuple(v.shape)}")
+    _require(k.dtype == v.dtype == dst_k.dtype == dst_v.dtype, "k, v and the storage must share one dtype")
+    _require(dst_k.shape[-2:] == k.shape[-2:] and dst_v.shape == dst_k.shape,
+             f"storage [..., Hkv, D] {tuple(dst_k.shape)} does not match k {tuple(k.shape)}")
+    _require(all(t.stride(-1) == 1 for t in (k, v, dst_k, dst_v)), "k, v and the storage need a contiguous last dim")
+    for name, t in (("positions", positions), ("seq_slots", seq_slots)):
+        _require(t.dtype == torch.int64 and t.shape == (k.shape[0],) and t.is_contiguous(),
+                 f"{name} must be a contiguous [N] int64 tensor")
+
+
+def write_columns_triton(k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                         positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
+    """Fused scatter of a step's K/V into per-sequence columns; same effect as `write_columns_ref`."""
+    _check_write(k, v, k_store, v_store, positions, seq_slots)
+    _require(k_store.dim() == 4, f"k_store must be [slots, rows, Hkv, D], got {tuple(k_store.shape)}")
+    _launch_write(k, v, k_store, v_store, positions, seq_slots, positions, k_store.shape[1],
+                  k_store.stride()[:3], v_store.stride()[:3], (0, 0), False)
+
+
+def write_cells_triton(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       cell_table: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
+    """Fused scatter of a step's K/V into the cell pool; same effect as `write_cells_ref`."""
+    _check_write(k, v, k_pool, v_pool, positions, seq_slots)
+    _require(k_pool.dim() == 3, f"k_pool must be [cells, Hkv, D], got {tuple(k_pool.shape)}")
+    _require(cell_table.dim() == 2 and cell_table.dtype == torch.int64, "cell_table must be [slots, capacity] int64")
+    _launch_write(k, v, k_pool, v_pool, positions, seq_slots, cell_table, cell_table.shape[1],
+                  (0, *k_pool.stride()[:2]), (0, *v_pool.stride()[:2]),
+                  (cell_table.stride(0), cell_table.stride(1)), True)
+
+
+def _launch_write(k, v, dst_k, dst_v, positions, seq_slots, table, rows, k_strides, v_strides, table_strides,
+                  is_cell: bool) -> None:
+    n, hkv, d = k.shape
+    if n == 0:
+        return
+    _jit._write_kv_kernel[(n, hkv)](
+        k, v, dst_k, dst_v, positions, seq_slots, table, rows,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_strides, *v_strides, *table_strides,
+        HEAD_DIM=d, BLOCK_D=_next_pow2(d), IS_CELL=is_cell, num_warps=1,
+    )

@@ -1,0 +1,168 @@
+"""Triton kernels (only the `@triton.jit` bodies) for attention over the two off-graph KV layouts.
+
+Imports triton unconditionally: import it through `mg.kernels.triton_attention`, which
+checks availability, plans the launch and validates arguments. Knows nothing about
+caches, the runtime or the graph; reads positions and slots on the device only.
+
+One attention kernel serves both layouts (`IS_CELL` picks how a key position becomes
+an address) and both phases (`BLOCK_Q` = 1 for decode, > 1 for prefill chunks):
+
+- A program owns `BLOCK_Q` consecutive queries x one KV head x one split. Its tile
+  rows are `BLOCK_M = BLOCK_Q * GP` (query, group head) pairs; the `GROUP` query heads
+  sharing the KV head sit in adjacent rows (padded to `GP`, a power of two, and to
+  at least 16 rows in total so `tl.dot` can use tensor cores), so each K/V tile is
+  loaded once for all of them.
+- Queries of one program may belong to different sequences. The program makes one
+  pass per distinct slot among its queries (first occurrence wins); in a pass only
+  that slot's rows are live and the key range is the union of their spans. Decode
+  (`BLOCK_Q` = 1) makes exactly one pass; a prefill chunk of one sequence, one pass
+  per block.
+- Split-K (flash-decoding): the pass's key range is cut into `NUM_SPLITS` chunks of
+  whole `BLOCK_N` tiles, sized on the device from the actual span; with
+  `NUM_SPLITS` > 1 each split writes a normalised partial output and its log2-sum-exp,
+  and `_combine_splits_kernel` merges them.
+- Online softmax in fp32, exp2 domain; P is cast to the K/V dtype for the PV product
+  (fp32 inputs use IEEE dots, never TF32).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, pos_ptr, slot_ptr, table_ptr,
+    n_queries, n_q_heads, span, rows, scale_log2,
+    stride_qn, stride_qh, stride_on, stride_oh,
+    stride_ks, stride_kr, stride_kh, stride_vs, stride_vr, stride_vh,
+    stride_ts, stride_tc,
+    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_CELL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GP
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_local = offs_m // GP                      # [BLOCK_M] query index inside the block
+    g = offs_m % GP                             # [BLOCK_M] query head inside the group
+    q_idx = pid_q * BLOCK_Q + q_local           # [BLOCK_M] query index in the batch
+    q_in = q_idx < n_queries
+    row_ok = q_in & (g < GROUP)
+    q_head = kv_head * GROUP + g
+    q_row = q_idx.to(tl.int64)
+
+    q = tl.load(q_ptr + q_row[:, None] * stride_qn + q_head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    row_pos = tl.load(pos_ptr + q_idx, mask=q_in, other=0)                  # [BLOCK_M] int64
+    row_slot = tl.load(slot_ptr + q_idx, mask=q_in, other=-1)              # [BLOCK_M] int64
+    row_lo = tl.maximum(row_pos - span + 1, 0)                               # first visible key
+
+    for j in range(0, BLOCK_Q):
+        qn = pid_q * BLOCK_Q + j
+        if qn < n_queries:
+            slot = tl.load(slot_ptr + qn)
+            earlier = tl.sum(((row_slot == slot) & (q_local < j) & q_in).to(tl.int32), axis=0)
+            if earlier == 0:  # first query of this slot in the block: one pass for all its queries
+                live = row_ok & (row_slot == slot)
+                pos_j = tl.load(pos_ptr + qn)
+                lo = tl.min(tl.where(live, row_lo, tl.maximum(pos_j - span + 1, 0)), axis=0)
+                hi = tl.max(tl.where(live, row_pos + 1, 0), axis=0)
+                per_split = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+                k_start = (lo + split * per_split).to(tl.int32)
+                k_end = tl.minimum(hi, lo + (split + 1) * per_split).to(tl.int32)
+
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_M], tl.float32)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for start in range(k_start, k_end, BLOCK_N):
+                    k_pos = (start + offs_n).to(tl.int64)
+                    k_ok = k_pos < k_end
+                    if IS_CELL:  # the sequence's cell list: position -> cell
+                        cell = tl.load(table_ptr + slot * stride_ts + k_pos * stride_tc, mask=k_ok, other=0)
+                        k_off = cell.to(tl.int64) * stride_kr
+                        v_off = cell.to(tl.int64) * stride_vr
+                    else:  # the sequence's column: position -> row p % rows
+                        row = k_pos % rows
+                        k_off = slot * stride_ks + row * stride_kr
+                        v_off = slot * stride_vs + row * stride_vr
+                    kv_mask = k_ok[:, None] & d_ok[None, :]
+                    k = tl.load(k_ptr + k_off[:, None] + kv_head * stride_kh + offs_d[None, :], mask=kv_mask,
+                                other=0.0)
+                    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+                    visible = (live[:, None] & k_ok[None, :] & (k_pos[None, :] >= row_lo[:, None])
+                               & (k_pos[None, :] <= row_pos[:, None]))
+                    s = tl.where(visible, s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.exp2(s - m_safe[:, None])
+                    alpha = tl.exp2(m_i - m_safe)
+                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    v = tl.load(v_ptr + v_off[:, None] + kv_head * stride_vh + offs_d[None, :], mask=kv_mask,
+                                other=0.0)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                    m_i = m_new
+
+                has_keys = l_i > 0.0
+                o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+                if NUM_SPLITS == 1:
+                    o_ptrs = out_ptr + q_row[:, None] * stride_on + q_head[:, None] * stride_oh + offs_d[None, :]
+                    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+                else:
+                    part = (q_row * n_q_heads + q_head) * NUM_SPLITS + split          # [BLOCK_M] int64
+                    tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                             mask=live[:, None] & d_ok[None, :])
+                    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+                    tl.store(part_lse_ptr + part, lse, mask=live)
+
+
+@triton.jit
+def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_q_heads, stride_on, stride_oh,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                           BLOCK_S: tl.constexpr):
+    """One program per (query, query head): merge NUM_SPLITS normalised partials by their log2-sum-exp."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    part = (n * n_q_heads + h) * NUM_SPLITS + offs_s                          # [BLOCK_S] int64
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))                    # empty splits weigh 0
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + n * stride_on + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_dst_ptr, v_dst_ptr, pos_ptr, slot_ptr, table_ptr, rows,
+                     stride_kn, stride_kh, stride_vn, stride_vh,
+                     stride_ks, stride_kr, stride_kdh, stride_vs, stride_vr, stride_vdh, stride_ts, stride_tc,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CELL: tl.constexpr):
+    """One program per (token, KV head): store the step's K/V row where its (slot, position) lives."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    pos = tl.load(pos_ptr + n)
+    slot = tl.load(slot_ptr + n)
+    if IS_CELL:
+        cell = tl.load(table_ptr + slot * stride_ts + pos * stride_tc)
+        k_dst = cell * stride_kr
+        v_dst = cell * stride_vr
+    else:
+        k_dst = slot * stride_ks + (pos % rows) * stride_kr
+        v_dst = slot * stride_vs + (pos % rows) * stride_vr
+    k = tl.load(k_ptr + n * stride_kn + h * stride_kh + offs_d, mask=d_ok)
+    v = tl.load(v_ptr + n * stride_vn + h * stride_vh + offs_d, mask=d_ok)
+    tl.store(k_dst_ptr + k_dst + h * stride_kdh + offs_d, k, mask=d_ok)
+    tl.store(v_dst_ptr + v_dst + h * stride_vdh + offs_d, v, mask=d_ok)

@@ -1,0 +1,133 @@
+"""kBatchedCell: one pool of cells per layer, shared by all sequences.
+
+Layer storage is K and V `[max_cells + 1, Hkv, D]`; the last cell is the
+scratch cell for padding rows. A cell holds one token (one (slot, position))
+in every layer: allocation is per token, shared by all layers, and takes the
+lowest free cell. Per sequence the host keeps the ordered cell list and the
+device keeps `cell_table [n_slots + 1, capacity]` (position -> cell, unused
+entries -> scratch cell), so attention gathers only that sequence's cells.
+Cells carry reference counts: clone shares cells, rewind and release drop
+ownership (a cell is freed when no owner is left), and a write into a shared
+position takes a new cell for the writer only (copy-on-write of that position).
+
+Pools are allocated whole at construction (max_cells is the declared budget),
+so this layout never grows and storage_version stays 0.
+
+Knows storage, placement and the reference read side (mg.kernels); must not
+know models, programs, the scheduler or mg.export.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Optional, Union
+
+import torch
+
+from mg.kernels.attention_ref import attend_cells_ref
+from mg.manifests import KVSpec
+from mg.manifests.constants import LAYOUT_CELL, POLICY_RING
+
+from .cache_base import CacheError, KVCache, StepPlan
+
+
+class BatchedCellCache(KVCache):
+    layout = LAYOUT_CELL
+
+    def __init__(self, spec: KVSpec, device: Union[str, torch.device], n_slots: Optional[int] = None):
+        n_slots = min(spec.max_cells, 64) if n_slots is None else n_slots
+        if n_slots < 1:
+            raise CacheError(f"n_slots={n_slots} for the cell layout; allowed: an integer >= 1")
+        super().__init__(spec, device, n_slots)
+        self.max_cells = spec.max_cells
+        self.scratch_cell = spec.max_cells
+        self._windows = [layer.window if layer.policy == POLICY_RING else 0 for layer in spec.layers]
+        self._k = [self._zeros(layer.n_kv_heads, layer.head_dim) for layer in spec.layers]
+        self._v = [self._zeros(layer.n_kv_heads, layer.head_dim) for layer in spec.layers]
+        self.cell_table = torch.full((n_slots + 1, spec.capacity), self.scratch_cell, dtype=torch.int64,
+                                     device=self.device)
+        self._cells: list[list[int]] = [[] for _ in range(n_slots + 1)]  # per slot: position -> cell
+        self._refs = [0] * self.max_cells
+        self._free = list(range(self.max_cells))  # a heap: the lowest free cell is _free[0]
+
+    def _zeros(self, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+        # Zeros, not empty: masked keys still enter the softmax-weighted sum with weight 0, and 0 * NaN = NaN.
+        return torch.zeros(self.max_cells + 1, n_kv_heads, head_dim, dtype=self.dtype, device=self.device)
+
+    def storage(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k[layer_id], self._v[layer_id]
+
+    def cell_list(self, slot: int) -> list[int]:
+        """The ordered cells of `slot` (position -> cell id)."""
+        return list(self._cells[slot])
+
+    def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
+        # declare_step placed the step's cells in the device cell_table; padding rows map to the scratch cell.
+        k_pool, v_pool = self._k[layer_id], self._v[layer_id]
+        cells = self.cell_table[seq_slots, positions]
+        k_pool.index_put_((cells,), k.to(k_pool.dtype))
+        v_pool.index_put_((cells,), v.to(v_pool.dtype))
+        return attend_cells_ref(q, k_pool, v_pool, self.cell_table, positions, seq_slots,
+                                self._windows[layer_id], scale)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _refuse_step(self, plan: StepPlan) -> None:
+        needed = sum(1 for slot, pos in plan.tokens if not self._owned_alone(slot, pos))
+        if needed > len(self._free):
+            raise CacheError(f"out of cells: the step needs {needed} new cells but {len(self._free)} of "
+                             f"max_cells={self.max_cells} are free")
+
+    def _owned_alone(self, slot: int, pos: int) -> bool:
+        """The slot's cell at `pos` exists and no other sequence shares it: it is overwritten in place."""
+        cells = self._cells[slot]
+        return pos < len(cells) and cells[pos] >= 0 and self._refs[cells[pos]] == 1
+
+    def _apply_step(self, plan: StepPlan) -> None:
+        for slot, (_, last) in plan.spans.items():
+            cells = self._cells[slot]
+            cells.extend([-1] * (last + 1 - len(cells)))  # placeholders, all filled below
+        placed = [(slot, pos, self._take(slot, pos)) for slot, pos in plan.tokens
+                  if not self._owned_alone(slot, pos)]
+        if placed:
+            slots, positions, cells = (torch.tensor(col, dtype=torch.int64, device=self.device)
+                                       for col in zip(*placed))
+            self.cell_table[slots, positions] = cells
+
+    def _take(self, slot: int, pos: int) -> int:
+        """Place (slot, pos) in the lowest free cell; a shared cell it replaces stays with its other owners."""
+        cell = heapq.heappop(self._free)
+        old = self._cells[slot][pos]
+        if old >= 0:
+            self._unref(old)
+        self._cells[slot][pos] = cell
+        self._refs[cell] = 1
+        return cell
+
+    def _unref(self, cell: int) -> None:
+        self._refs[cell] -= 1
+        if self._refs[cell] == 0:
+            heapq.heappush(self._free, cell)
+
+    def _check_keeps(self, slot: int, length: int, action: str) -> None:
+        """Cells keep every position until it is rewound: nothing to refuse."""
+
+    def _truncate(self, slot: int, new_length: int) -> None:
+        for cell in self._cells[slot][new_length:]:
+            self._unref(cell)
+        del self._cells[slot][new_length:]
+        self.cell_table[slot, new_length:] = self.scratch_cell
+
+    def _copy_prefix(self, src: int, dst: int, length: int) -> None:
+        shared = self._cells[src][:length]
+        for cell in shared:
+            self._refs[cell] += 1
+        self._cells[dst] = list(shared)
+        self.cell_table[dst, :length] = self.cell_table[src, :length]
+
+    def _bytes(self) -> int:
+        pools = sum(t.numel() * t.element_size() for t in self._k + self._v)
+        return pools + self.cell_table.numel() * self.cell_table.element_size()
+
+    def _layout_metrics(self) -> dict:
+        return {"cells_used": self.max_cells - len(self._free), "cells_free": len(self._free)}

@@ -1,0 +1,142 @@
+"""kBatchedSequence: per-sequence KV columns, one storage pair per layer.
+
+Layer storage is K and V `[n_slots + 1, rows, Hkv, D]` (the last slot is the
+scratch slot for padding rows); position p of a slot lives at row `p % rows`.
+Flat layers grow their rows by doubling up to `capacity`; ring layers grow the
+same way up to `min(window + max_write - 1, capacity)` and wrap once a step
+needs no more rows. Growth re-places every held position at `p % new_rows`.
+
+Per (layer, slot) the host keeps `held_from`: the oldest position the column
+still holds (later writes wrapped over older ones). Rewind, clone and a write
+behind the length are allowed only while the rows hold what the next query's
+window needs.
+
+Knows storage, placement and the reference read side (mg.kernels); must not
+know models, programs, the scheduler or mg.export.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from mg.kernels.attention_ref import attend_columns_ref
+from mg.manifests import KVSpec
+from mg.manifests.constants import LAYOUT_SEQUENCE, POLICY_RING
+
+from .cache_base import CacheError, KVCache, StepPlan
+
+
+class BatchedSequenceCache(KVCache):
+    layout = LAYOUT_SEQUENCE
+
+    def __init__(self, spec: KVSpec, device: Union[str, torch.device], initial_rows: int = 64):
+        super().__init__(spec, device, spec.max_seqs)
+        self._windows = [layer.window if layer.policy == POLICY_RING else 0 for layer in spec.layers]
+        self._max_rows = [min(w + spec.max_write - 1, spec.capacity) if w else spec.capacity for w in self._windows]
+        start = [min(max(1, initial_rows), m) for m in self._max_rows]
+        self._k = [self._zeros(layer_id, rows) for layer_id, rows in enumerate(start)]
+        self._v = [self._zeros(layer_id, rows) for layer_id, rows in enumerate(start)]
+        self._held_from = [[0] * (self.n_slots + 1) for _ in spec.layers]
+
+    def _zeros(self, layer_id: int, rows: int) -> torch.Tensor:
+        # Zeros, not empty: masked keys still enter the softmax-weighted sum with weight 0, and 0 * NaN = NaN.
+        layer = self.spec.layers[layer_id]
+        return torch.zeros(self.n_slots + 1, rows, layer.n_kv_heads, layer.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    def rows(self, layer_id: int) -> int:
+        return self._k[layer_id].shape[1]
+
+    def storage(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k[layer_id], self._v[layer_id]
+
+    def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
+        # The write row is derived on the device from the op's own inputs: rows is a storage shape,
+        # fixed until growth bumps storage_version. No host reads, so this can be graph-captured.
+        k_store, v_store = self._k[layer_id], self._v[layer_id]
+        row = positions % k_store.shape[1]
+        k_store.index_put_((seq_slots, row), k.to(k_store.dtype))
+        v_store.index_put_((seq_slots, row), v.to(v_store.dtype))
+        return attend_columns_ref(q, k_store, v_store, positions, seq_slots, self._windows[layer_id], scale)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _refuse_step(self, plan: StepPlan) -> None:
+        for slot, (first, _) in plan.spans.items():
+            if first < self._length[slot]:
+                self._check_keeps(slot, first, f"write of slot {slot} at position {first}")
+
+    def _apply_step(self, plan: StepPlan) -> None:
+        for layer_id in range(len(self._k)):
+            need = self._rows_needed(layer_id, plan)
+            if need > self.rows(layer_id):
+                self._grow(layer_id, need)
+            rows, held = self.rows(layer_id), self._held_from[layer_id]
+            for slot, (_, last) in plan.spans.items():
+                held[slot] = max(held[slot], last + 1 - rows)  # the step's writes wrap over these
+
+    def _rows_needed(self, layer_id: int, plan: StepPlan) -> int:
+        """Rows so that no write of the step lands on a position a query of the step (or a flat column) reads."""
+        window, need = self._windows[layer_id], 0
+        for slot, (first, last) in plan.spans.items():
+            if window:
+                need = max(need, last + 1 - max(0, first - window + 1))
+            else:
+                need = max(need, self._length[slot], last + 1)
+        return need
+
+    def _check_keeps(self, slot: int, length: int, action: str) -> None:
+        for layer_id, window in enumerate(self._windows):
+            lo = max(0, length - window + 1) if window else 0
+            held = self._held_from[layer_id][slot]
+            if length > 0 and held > lo:
+                raise CacheError(
+                    f"{action} refused: layer {layer_id} (ring, window={window}, rows={self.rows(layer_id)}) "
+                    f"no longer holds positions {lo}..{held - 1} that a query at position {length} needs (it "
+                    f"holds {held}..{self._length[slot] - 1}); allowed: a length >= {held + window - 1}, or 0")
+
+    def _truncate(self, slot: int, new_length: int) -> None:
+        for held in self._held_from:
+            held[slot] = min(held[slot], new_length)
+
+    def _copy_prefix(self, src: int, dst: int, length: int) -> None:
+        # Positions below `length` live in rows [0, min(rows, length)): p % rows < length when length <= rows.
+        for layer_id in range(len(self._k)):
+            m = min(self.rows(layer_id), length)
+            self._k[layer_id][dst, :m] = self._k[layer_id][src, :m]
+            self._v[layer_id][dst, :m] = self._v[layer_id][src, :m]
+            held = self._held_from[layer_id]
+            held[dst] = min(held[src], length)
+
+    def _bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._k + self._v)
+
+    def _layout_metrics(self) -> dict:
+        return {"rows": tuple(self.rows(i) for i in range(len(self._k)))}
+
+    # ------------------------------------------------------------------ growth
+
+    def _grow(self, layer_id: int, need: int) -> None:
+        old_rows, new_rows = self.rows(layer_id), self.rows(layer_id)
+        assert need <= self._max_rows[layer_id], f"layer {layer_id}: {need} rows needed > {self._max_rows[layer_id]}"
+        while new_rows < need:
+            new_rows = min(2 * new_rows, self._max_rows[layer_id])
+        slots, src, dst = self._held_rows(layer_id, old_rows, new_rows)
+        for store in (self._k, self._v):
+            grown = self._zeros(layer_id, new_rows)
+            grown[slots, dst] = store[layer_id][slots, src]
+            store[layer_id] = grown
+        self._growths += 1
+        self._version += 1
+
+    def _held_rows(self, layer_id: int, old_rows: int, new_rows: int):
+        """(slot, old row, new row) of every held position p: it moves from p % old_rows to p % new_rows."""
+        lengths = torch.tensor(self._length, device=self.device)
+        held = torch.tensor(self._held_from[layer_id], device=self.device)
+        pos = lengths[:, None] - 1 - torch.arange(old_rows, device=self.device)[None, :]  # [slots, old_rows]
+        keep = (pos >= held[:, None]) & (pos >= 0)
+        slots = torch.arange(self.n_slots + 1, device=self.device)[:, None].expand_as(pos)[keep]
+        pos = pos[keep]
+        return slots, pos % old_rows, pos % new_rows

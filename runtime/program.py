@@ -1,0 +1,275 @@
+"""The program runner: executes the methods of an ExecuTorch `.pte` program with torch ops.
+
+The file is read with ExecuTorch's own Python deserializer. Constant tensors
+(weights) are loaded once per `Program`, on its device, and shared by all
+methods. Each method's instruction chain becomes a list of precomputed steps
+over a values table: the per-call loop only indexes lists and calls torch.
+Constant subgraphs (e.g. weight permutes) are evaluated once at load. Custom
+ops (`mg::*`) are served by Python callables bound by the caller. Unsupported
+operators or instructions are refused at load, naming them.
+
+Knows the ExecuTorch program format and the operator table (`program_ops`);
+knows nothing about MG models, KV caches or the export code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from . import program_ops as ops
+
+# ExecuTorch ScalarType / MemoryFormat codes (c10 numbering) -> torch.
+_DTYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+           6: torch.float32, 7: torch.float64, 9: torch.complex64, 10: torch.complex128, 11: torch.bool,
+           15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 27: torch.uint16,
+           28: torch.uint32, 29: torch.uint64}
+_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format, 2: torch.channels_last,
+                   3: torch.channels_last_3d}
+_CONVERT = {"ScalarType": _DTYPES.__getitem__, "MemoryFormat": _MEMORY_FORMATS.__getitem__,
+            "Layout": lambda code: torch.strided}
+_STATIC_SHAPE = 0  # schema.TensorShapeDynamism.STATIC
+_DYNAMIC_BOUND = 1
+
+
+class ProgramError(ValueError):
+    """A program this runner cannot load, or a call it cannot run; one line naming the file, method or op."""
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    name: str
+    n_inputs: int
+    operators: tuple[str, ...]  # qualified "ns::name.overload", as in the method's operator table
+    n_steps: int  # steps run per call (after folding)
+    n_folded: int  # steps evaluated once at load
+
+
+@dataclass
+class _Step:
+    run: Callable[[list], Optional[int]]  # returns a step index only for a taken jump
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    foldable: bool
+
+
+@dataclass
+class _Method:
+    name: str
+    template: list  # the values table every call starts from: constants, folded results, None
+    inputs: list[int]
+    input_specs: list  # schema.Tensor (or None for non-tensor inputs)
+    outputs: list[int]
+    steps: list[Callable]
+    straight: bool  # no jumps: the loop is a plain for
+    custom_ops: frozenset[str]
+    list_output: bool
+    info: MethodInfo
+
+
+def _ensure_flatc() -> None:
+    """executorch 1.2 deserializes through the `flatc` binary shipped in its package; point to it once."""
+    if "FLATC_EXECUTABLE" in os.environ:
+        return
+    import executorch
+    flatc = Path(executorch.__file__).parent / "data" / "bin" / "flatc"
+    if flatc.is_file():
+        if not os.access(flatc, os.X_OK):
+            flatc.chmod(flatc.stat().st_mode | 0o111)
+        os.environ["FLATC_EXECUTABLE"] = str(flatc)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def deserialize(data: bytes, source: str):
+    """-> the schema.Program of a `.pte` buffer; ProgramError (one line naming `source`) if it is not one."""
+    if len(data) < 8 or data[4:6] != b"ET":
+        raise ProgramError(f"{source}: not an ExecuTorch program (no 'ET' file identifier)")
+    _ensure_flatc()
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    try:
+        result = deserialize_pte_binary(data)
+    except Exception as e:  # the flatbuffer and segment readers fail in many ways on damaged input
+        raise ProgramError(f"{source}: corrupt or truncated ExecuTorch program "
+                           f"({type(e).__name__}: {_first_line(e)})") from None
+    return getattr(result, "program", result)  # executorch 1.5: PTEFile; 1.2: Program
+
+
+def _qualified(op) -> str:
+    return f"{op.name}.{op.overload}" if op.overload else op.name
+
+
+def _list_output(plan) -> bool:
+    try:
+        return json.loads(plan.container_meta_type.encoded_out_str)[1]["type"] == "builtins.list"
+    except (ValueError, LookupError, TypeError):
+        return False
+
+
+class Program:
+    """A loaded `.pte`: `run(method, inputs)` executes a method; `constant(name)` reads a constant method."""
+
+    def __init__(self, program, source: str, device: str | torch.device = "cpu",
+                 dtype: Optional[torch.dtype] = None, custom_ops: Optional[dict[str, Optional[Callable]]] = None,
+                 views_as_copies: bool = False, fold_constants: bool = True):
+        """`custom_ops` maps qualified names ("mg::update_and_attend") to functional callables, or None
+        for ops bound later with `bind`. `dtype`, when given, is checked against the stored weights."""
+        from executorch.exir import schema
+        self._S = schema
+        self.source = source
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.views_as_copies = views_as_copies
+        self.fold_constants = fold_constants
+        self._program = program
+        self._bindings: dict[str, Optional[Callable]] = dict(custom_ops or {})
+        self._weights: dict[int, torch.Tensor] = {}  # data_buffer_idx -> tensor on device
+        self._methods = {plan.name: self._build(plan) for plan in program.execution_plan}
+        self._check_dtype(dtype)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
+             **kwargs: Any) -> "Program":
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise ProgramError(f"{path}: cannot read the program ({e.strerror or _first_line(e)})") from None
+        return cls(deserialize(data, str(path)), str(path), device, dtype, **kwargs)
+
+    # -- public API -------------------------------------------------------------------------------
+
+    @property
+    def method_names(self) -> tuple[str, ...]:
+        return tuple(self._methods)
+
+    def info(self, method_name: str) -> MethodInfo:
+        return self._method(method_name).info
+
+    def bind(self, op_name: str, fn: Optional[Callable]) -> None:
+        """Serve custom op `op_name` (declared in `custom_ops`) with `fn` from now on; None unbinds it."""
+        if op_name not in self._bindings:
+            raise ProgramError(f"{self.source}: custom op {op_name!r} was not declared; declared: "
+                               f"{', '.join(sorted(self._bindings)) or 'none'}")
+        self._bindings[op_name] = fn
+
+    def constant(self, name: str) -> int | list[int]:
+        """The value of a constant method (no inputs): an int, or a list of ints."""
+        m = self._method(name)
+        if m.inputs:
+            raise ProgramError(f"{self.source}: method {name!r} takes {len(m.inputs)} inputs; not a constant method")
+        out = self.run(name, [])
+        return list(out) if m.list_output else out[0]
+
+    def run(self, method_name: str, inputs: Sequence[Any]) -> list:
+        m = self._method(method_name)
+        unbound = [n for n in m.custom_ops if self._bindings[n] is None]
+        if unbound:
+            raise ProgramError(f"method {method_name!r}: custom op {unbound[0]!r} is not bound; call bind() first")
+        if len(inputs) != len(m.inputs):
+            raise ProgramError(f"method {method_name!r} takes {len(m.inputs)} inputs; got {len(inputs)}")
+        vals = list(m.template)
+        for k, (idx, spec, x) in enumerate(zip(m.inputs, m.input_specs, inputs)):
+            if spec is not None:
+                self._check_input(method_name, k, spec, x)
+                if x.device != self.device:
+                    x = x.to(self.device, non_blocking=True)
+            vals[idx] = x
+        if m.straight:
+            for step in m.steps:
+                step(vals)
+        else:
+            pc, steps, n = 0, m.steps, len(m.steps)
+            while pc < n:
+                nxt = steps[pc](vals)
+                pc = pc + 1 if nxt is None else nxt
+        return [vals[i] for i in m.outputs]
+
+    # -- loading --------------------------------------------------------------------------------------
+
+    def _method(self, name: str) -> _Method:
+        try:
+            return self._methods[name]
+        except KeyError:
+            raise ProgramError(f"{self.source}: no method {name!r}; methods: {', '.join(self._methods)}") from None
+
+    def _check_input(self, method: str, k: int, spec, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ProgramError(f"method {method!r} input {k}: expected a tensor, got {type(x).__name__}")
+        want = _DTYPES.get(int(spec.scalar_type))
+        bounds = spec.sizes
+        too_big = spec.shape_dynamism == _DYNAMIC_BOUND and any(s > b for s, b in zip(x.shape, bounds))
+        wrong = spec.shape_dynamism == _STATIC_SHAPE and list(x.shape) != list(bounds)
+        if x.dtype != want or x.dim() != len(bounds) or too_big or wrong:
+            raise ProgramError(f"method {method!r} input {k}: got {x.dtype} {list(x.shape)}; allowed: {want} "
+                               f"with shape {'<= ' if spec.shape_dynamism == _DYNAMIC_BOUND else ''}{list(bounds)}")
+
+    def _check_dtype(self, dtype: Optional[torch.dtype]) -> None:
+        stored = {w.dtype for w in self._weights.values() if w.is_floating_point() and w.dim() >= 2}
+        if dtype is not None and stored - {dtype}:
+            raise ProgramError(f"{self.source}: weights are stored as {', '.join(sorted(map(str, stored)))}; "
+                               f"dtype {dtype} was asked for")
+
+    def _weight(self, method: str, index: int, t) -> torch.Tensor:
+        buf = t.data_buffer_idx
+        if buf not in self._weights:
+            dtype = _DTYPES.get(int(t.scalar_type))
+            if dtype is None:
+                raise ProgramError(f"{self.source}: method {method!r} value {index} has scalar type "
+                                   f"{t.scalar_type!r}, which this runner does not support")
+            raw = self._program.constant_buffer[buf].storage if buf < len(self._program.constant_buffer) else b""
+            numel = 1
+            for s in t.sizes:
+                numel *= s
+            start, nbytes = t.storage_offset * dtype.itemsize, numel * dtype.itemsize
+            if len(raw) < start + nbytes:
+                raise ProgramError(f"{self.source}: constant buffer {buf} holds {len(raw)} bytes; method "
+                                   f"{method!r} value {index} needs {start + nbytes} (truncated program?)")
+            flat = torch.frombuffer(bytearray(raw[start:start + nbytes]), dtype=dtype) if nbytes else \
+                torch.empty(0, dtype=dtype)
+            order = list(t.dim_order)
+            physical = flat.view([t.sizes[d] for d in order])
+            self._weights[buf] = physical.permute(sorted(range(len(order)), key=order.__getitem__)).to(self.device)
+        return self._weights[buf]
+
+    def _template(self, plan, dynamic: set[int]) -> list:
+        S = self._S
+        values: list = [None] * len(plan.values)
+        lists = []
+        for i, ev in enumerate(plan.values):
+            v = ev.val
+            if isinstance(v, (S.Int, S.Bool, S.String)):
+                values[i] = getattr(v, {S.Int: "int_val", S.Bool: "bool_val", S.String: "string_val"}[type(v)])
+            elif isinstance(v, S.Double):
+                values[i] = float(v.double_val)  # "inf" / "-inf" are stored as strings
+            elif isinstance(v, (S.DoubleList, S.BoolList)):
+                values[i] = list(v.items)
+            elif isinstance(v, (S.IntList, S.TensorList, S.OptionalTensorList)):
+                lists.append((i, v))
+            elif isinstance(v, S.Tensor):
+                info = v.extra_tensor_info
+                if info is not None and info.location == S.TensorDataLocation.EXTERNAL:
+                    raise ProgramError(f"{self.source}: method {plan.name!r} constant {info.fully_qualified_name!r} "
+                                       f"lives in external data (.ptd), which this runner does not load")
+                if v.data_buffer_idx > 0 and v.allocation_info is None and i not in dynamic:
+                    values[i] = self._weight(plan.name, i, v)
+            elif not isinstance(v, S.Null):
+                raise ProgramError(f"{self.source}: method {plan.name!r} value {i} is a {type(v).__name__}, "
+                                   f"which this runner does not support")
+        for i, v in lists:
+            if not any(j in dynamic for j in v.items):
+                values[i] = [None if j < 0 else values[j] for j in v.items]
+        return values
+
+    def _build(self, plan) -> _Method:
+        from .program_build import MethodBuilder  # noqa: placeholder replaced below
+        raise NotImplementedError

@@ -1,0 +1,41 @@
+"""Shared fixtures: the tiny preset model and exported tiny artifacts (exported once per session)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    from mg.export.config import PRESETS
+
+    return PRESETS["tiny"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_cfg):
+    from mg.export.model import MuseGlimmer, init_random
+
+    return init_random(MuseGlimmer(tiny_cfg), 0).eval()
+
+
+def _export(out, **kw):
+    from mg.export.artifact import ExportOptions, export_artifact, load_target
+
+    opts = ExportOptions(output_dir=out, **kw)
+    export_artifact(opts, load_target(None, "tiny"), lambda msg: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_seq_artifact(tmp_path_factory):
+    """Tiny preset, sequence layout, 3 sequences, context 96, 24 tokens per step."""
+    return _export(tmp_path_factory.mktemp("art") / "seq", layout="sequence", max_seqs=3, max_context=96,
+                   max_write=24)
+
+
+@pytest.fixture(scope="session")
+def tiny_cell_artifact(tmp_path_factory):
+    """Tiny preset, cell layout, 256 cells, context 96, 24 tokens per step."""
+    return _export(tmp_path_factory.mktemp("art") / "cell", layout="cell", max_cells=256, max_context=96,
+                   max_write=24)

@@ -1,0 +1,433 @@
+"""The off-graph KV caches (kBatchedSequence, kBatchedCell) against the eager model's own ReferenceKV
+and against each other: same schedule, same q/k/v, same attention."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mg.export.config import MuseGlimmerConfig
+from mg.export.reference import ReferenceKV
+from mg.manifests import KVLayer, KVSpec
+from mg.manifests.constants import LAYOUT_CELL, LAYOUT_SEQUENCE, LAYOUTS, POLICY_FLAT, POLICY_RING
+from mg.runtime.cache_base import CacheError, KVCache, make_cache
+from mg.runtime.cache_cell import BatchedCellCache
+from mg.runtime.cache_sequence import BatchedSequenceCache
+
+SCALE = 0.35
+N_SLOTS = 3
+RING, FLAT = 0, 1  # layer ids in tiny_cfg(): layers 1 and 3 are global
+
+
+def tiny_cfg(window: int = 4) -> MuseGlimmerConfig:
+    return MuseGlimmerConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, vocab_size=64,
+                             sliding_window=window, every_n_layers_nope=2, dtype="float32")
+
+
+def kv_spec(cfg: MuseGlimmerConfig, layout: str, capacity: int = 48, max_write: int = 8,
+            max_cells: int = 160) -> KVSpec:
+    layers = tuple(KVLayer(layer_id=i, policy=POLICY_FLAT if cfg.is_global(i) else POLICY_RING,
+                           window=cfg.window(i), n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim)
+                   for i in range(cfg.n_layers))
+    cell = layout == LAYOUT_CELL
+    return KVSpec(layout=layout, max_seqs=None if cell else N_SLOTS, max_cells=max_cells if cell else None,
+                  capacity=capacity, max_write=max_write, dtype="float32", layers=layers)
+
+
+def new_cache(cfg: MuseGlimmerConfig, layout: str, initial_rows: int = 2, **spec_kw) -> KVCache:
+    """Sequence caches start at 2 rows so the schedules grow flat columns and rings."""
+    spec = kv_spec(cfg, layout, **spec_kw)
+    if layout == LAYOUT_SEQUENCE:
+        return BatchedSequenceCache(spec, "cpu", initial_rows=initial_rows)
+    return BatchedCellCache(spec, "cpu", n_slots=N_SLOTS)
+
+
+def random_qkvs(cfg: MuseGlimmerConfig, n: int, gen: torch.Generator, magnitude: float = 1.0):
+    """One (q [n,Hq,D], k [n,Hkv,D], v [n,Hkv,D]) per layer."""
+    def rand(h):
+        return magnitude * torch.randn(n, h, cfg.head_dim, generator=gen)
+    return [(rand(cfg.n_heads), rand(cfg.n_kv_heads), rand(cfg.n_kv_heads)) for _ in range(cfg.n_layers)]
+
+
+def step(backend, rows, qkvs, order=None) -> list[torch.Tensor]:
+    """Run one step of rows [(slot, position)] through a cache (declare, then every layer) or a
+    ReferenceKV; returns the attention output of each layer, indexed by layer id."""
+    positions = torch.tensor([p for _, p in rows], dtype=torch.int64)
+    slots = torch.tensor([s for s, _ in rows], dtype=torch.int64)
+    attend = backend
+    if isinstance(backend, KVCache):
+        backend.declare_step(positions, slots)
+        attend = backend.update_and_attend
+    positions, slots = positions.to(qkvs[0][0].device), slots.to(qkvs[0][0].device)
+    outs = {}
+    for layer in order if order is not None else range(len(qkvs)):
+        q, k, v = qkvs[layer]
+        outs[layer] = attend(q, k, v, positions, slots, layer, SCALE)
+    return [outs[layer] for layer in range(len(qkvs))]
+
+
+def assert_outputs_equal(got, want, where: str, n_rows: int | None = None) -> None:
+    for layer, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g[:n_rows], w[:n_rows], atol=1e-5, rtol=1e-5, msg=f"{where}, layer {layer}")
+
+
+def snapshot(cache: KVCache) -> list:
+    state = [cache.metrics(), cache.lengths().clone()]
+    state += [t.clone() for layer in range(len(cache.spec.layers)) for t in cache.storage(layer)]
+    if isinstance(cache, BatchedCellCache):
+        state += [cache.cell_table.clone(), [cache.cell_list(s) for s in range(cache.n_slots)]]
+    return state
+
+
+def assert_same_state(before: list, after: list) -> None:
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def interleaved_schedule(seed: int, capacity: int = 48, max_write: int = 8, steps: int = 60):
+    """Events: ("step", rows) mixing prefill chunks and decode tokens of several sequences,
+    ("rewind", slot, n) rejecting part of the last chunk, ("release", slot) at capacity."""
+    rng = random.Random(seed)
+    length = [0] * N_SLOTS
+    for _ in range(steps):
+        rows, budget, chunks = [], max_write, []
+        for slot in rng.sample(range(N_SLOTS), rng.randint(1, N_SLOTS)):
+            prefill = length[slot] == 0 or rng.random() < 0.3
+            n = min(budget, rng.randint(2, 6) if prefill else 1, capacity - length[slot])
+            if length[slot] == capacity:
+                yield ("release", slot)
+                length[slot] = 0
+            elif n > 0:
+                rows += [(slot, length[slot] + j) for j in range(n)]
+                chunks.append((slot, length[slot], n))
+                length[slot] += n
+                budget -= n
+        yield ("step", rows)
+        for slot, first, n in chunks:
+            if n > 1 and rng.random() < 0.4:
+                length[slot] = rng.randint(first, first + n - 1)
+                yield ("rewind", slot, length[slot])
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("window", [4, 7])
+def test_layouts_agree_on_interleaved_schedule(window):
+    cfg = tiny_cfg(window)
+    ref = ReferenceKV(cfg)
+    caches = [new_cache(cfg, LAYOUT_SEQUENCE), new_cache(cfg, LAYOUT_CELL)]
+    gen, rng = torch.Generator().manual_seed(window), random.Random(window)
+    kinds = set()
+    for i, event in enumerate(interleaved_schedule(seed=window)):
+        kinds.add(event[0])
+        if event[0] != "step":
+            for cache in caches:
+                getattr(cache, event[0])(*event[1:])
+            continue
+        rows = event[1]
+        qkvs = random_qkvs(cfg, len(rows), gen)
+        want = step(ref, rows, qkvs)
+        for cache in caches:  # layers in a random order: each layer's call stands alone
+            got = step(cache, rows, qkvs, order=rng.sample(range(cfg.n_layers), cfg.n_layers))
+            assert_outputs_equal(got, want, f"event {i} {cache.layout}")
+        assert caches[0].metrics().lengths == caches[1].metrics().lengths
+    assert kinds == {"step", "rewind", "release"}
+    assert caches[0].metrics().growth_count > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padding_rows_on_scratch_slot_change_no_live_output(layout):
+    cfg = tiny_cfg(4)
+    padded, plain = new_cache(cfg, layout), new_cache(cfg, layout)
+    gen = torch.Generator().manual_seed(3)
+    schedule = [[(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]] + [[(0, p + 3), (1, p + 2)] for p in range(10)]
+    for i, rows in enumerate(schedule):
+        qkvs = random_qkvs(cfg, len(rows), gen)
+        n_pad = padded.max_write - len(rows)
+        pad = random_qkvs(cfg, n_pad, gen, magnitude=100.0)
+        padded_qkvs = [tuple(torch.cat([a, b]) for a, b in zip(live, p)) for live, p in zip(qkvs, pad)]
+        got = step(padded, rows + [(padded.scratch_slot, 0)] * n_pad, padded_qkvs)
+        assert_outputs_equal(got, step(plain, rows, qkvs), f"step {i}", n_rows=len(rows))
+    assert padded.metrics().lengths == plain.metrics().lengths == (13, 12, 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_query_never_sees_other_sequences_keys(layout):
+    cfg = tiny_cfg(4)
+    clean, poisoned = new_cache(cfg, layout), new_cache(cfg, layout)
+    gen = torch.Generator().manual_seed(4)
+    for i, event in enumerate(interleaved_schedule(seed=11, steps=12)):
+        for cache in (clean, poisoned):
+            if event[0] == "step":
+                qkvs = random_qkvs(cfg, len(event[1]), torch.Generator().manual_seed(i))
+                step(cache, event[1], qkvs)
+            else:
+                getattr(cache, event[0])(*event[1:])
+    for layer in range(cfg.n_layers):
+        for t in poisoned.storage(layer):
+            if layout == LAYOUT_CELL:
+                others = torch.ones(t.shape[0], dtype=torch.bool)
+                others[poisoned.cell_list(0)] = False
+            else:
+                others = torch.arange(t.shape[0]) != 0
+            t[others] = 1e4
+    n0 = clean.length(0)
+    rows = [(0, n0), (0, n0 + 1)]
+    qkvs = random_qkvs(cfg, len(rows), gen)
+    assert_outputs_equal(step(poisoned, rows, qkvs), step(clean, rows, qkvs), "after poisoning")
+
+
+# --------------------------------------------------------------------------- growth
+
+
+def test_flat_doubling_keeps_contents_and_bumps_storage_version():
+    cfg = tiny_cfg(4)
+    grown, fixed = new_cache(cfg, LAYOUT_SEQUENCE, initial_rows=2), new_cache(cfg, LAYOUT_SEQUENCE, initial_rows=48)
+    gen, pos = torch.Generator().manual_seed(5), 0
+    for n in (3, 1, 5, 8, 1, 1, 8, 2):
+        rows = [(0, pos + j) for j in range(n)]
+        rows_before, version_before = grown.rows(FLAT), grown.storage_version()
+        qkvs = random_qkvs(cfg, n, gen)
+        assert_outputs_equal(step(grown, rows, qkvs), step(fixed, rows, qkvs), f"positions {pos}..{pos + n - 1}")
+        pos += n
+        assert grown.rows(FLAT) >= pos
+        assert (grown.storage_version() > version_before) == (grown.rows(FLAT) > rows_before)
+    assert grown.rows(FLAT) == 32  # 2 -> 4 -> 8 -> 16 -> 32
+    assert fixed.metrics().growth_count == fixed.storage_version() == 0
+    assert grown.metrics().growth_count == grown.storage_version() > 0
+
+
+def test_ring_growth_after_wrap_replaces_positions_at_new_rows():
+    cfg = tiny_cfg(4)  # ring rows grow up to window + max_write - 1 = 11
+    grown, fixed = new_cache(cfg, LAYOUT_SEQUENCE, initial_rows=4), new_cache(cfg, LAYOUT_SEQUENCE, initial_rows=48)
+    ref = ReferenceKV(cfg)
+    gen = torch.Generator().manual_seed(6)
+    decodes = [[(0, p), (1, p)] if p < 7 else [(0, p)] for p in range(10)]
+    schedule = decodes + [[(0, p) for p in range(10, 16)] + [(1, 7)], [(0, 16), (1, 8)], [(0, 17), (1, 9)]]
+    for i, rows in enumerate(schedule):
+        if i == len(decodes):
+            assert grown.rows(RING) == 4 and grown.length(0) == 10  # the 4-row ring has wrapped
+            version = grown.storage_version()
+        qkvs = random_qkvs(cfg, len(rows), gen)
+        want = step(ref, rows, qkvs)
+        assert_outputs_equal(step(grown, rows, qkvs), want, f"step {i} (grown)")
+        assert_outputs_equal(step(fixed, rows, qkvs), want, f"step {i} (fixed)")
+    assert grown.rows(RING) == fixed.rows(RING) == 11
+    assert grown.storage_version() > version
+    for slot in (0, 1):  # what the next query's window needs sits at p % 11 in both
+        for p in range(grown.length(slot) - 3, grown.length(slot)):
+            assert torch.equal(grown.storage(RING)[0][slot, p % 11], fixed.storage(RING)[0][slot, p % 11])
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_ring_rewind_beyond_window_is_refused_and_changes_nothing():
+    cfg = tiny_cfg(4)  # ring rows = 4 + 8 - 1 = 11
+    cache, ref = new_cache(cfg, LAYOUT_SEQUENCE), ReferenceKV(cfg)
+    gen = torch.Generator().manual_seed(7)
+    for first, n in ((0, 8), (8, 8), (16, 4)):
+        rows = [(0, first + j) for j in range(n)]
+        qkvs = random_qkvs(cfg, n, gen)
+        step(cache, rows, qkvs), step(ref, rows, qkvs)
+    before = snapshot(cache)
+    # After writing 0..19 the ring holds 9..19; a query at 10 would need 7..9.
+    with pytest.raises(CacheError, match=r"layer 0 \(ring, window=4, rows=11\).*positions 7\.\.8.*>= 12"):
+        cache.rewind(0, 10)
+    with pytest.raises(CacheError, match="layer 0"):
+        cache.declare_step(torch.tensor([10]), torch.tensor([0]))  # a write behind the length needs the same
+    assert_same_state(before, snapshot(cache))
+    cache.rewind(0, 12)  # a query at 12 needs 9..11: still held
+    rows = [(0, 12), (0, 13)]
+    qkvs = random_qkvs(cfg, 2, gen)
+    assert_outputs_equal(step(cache, rows, qkvs), step(ref, rows, qkvs), "after rewind to 12")
+
+
+def filled_cache(cfg: MuseGlimmerConfig, layout: str, **spec_kw) -> KVCache:
+    """Slot 0 holds 3 positions, slot 1 is full (capacity 16), slot 2 is empty."""
+    cache = new_cache(cfg, layout, capacity=16, **spec_kw)
+    gen = torch.Generator().manual_seed(8)
+    for rows in ([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)], [(1, p) for p in range(2, 10)],
+                 [(1, p) for p in range(10, 16)]):
+        step(cache, rows, random_qkvs(cfg, len(rows), gen))
+    return cache
+
+
+REFUSALS = {
+    "too_many_tokens": ([(2, p) for p in range(9)], r"N=9 tokens.*max_write=8"),
+    "beyond_capacity": ([(1, 16)], r"positions\[0\]=16 \(slot 1\) is beyond capacity=16"),
+    "slot_out_of_range": ([(0, 3), (4, 0)], r"seq_slots\[1\]=4 is out of range.*0\.\.2.*scratch_slot=3"),
+    "negative_slot": ([(-1, 0)], r"seq_slots\[0\]=-1 is out of range"),
+    "skips_ahead": ([(0, 5)], r"position 5 of slot 0 skips ahead of its length 3"),
+    "not_contiguous": ([(0, 3), (0, 5)], r"slot 0 .*contiguous; found \[3, 5\]"),
+    "padding_position": ([(3, 2)], r"scratch_slot=3; padding rows use position 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_step_beyond_a_limit_is_refused_and_changes_nothing(layout, case):
+    cfg = tiny_cfg(4)
+    cache, twin = filled_cache(cfg, layout), filled_cache(cfg, layout)
+    rows, message = REFUSALS[case]
+    before = snapshot(cache)
+    with pytest.raises(CacheError, match=message):
+        step(cache, rows, random_qkvs(cfg, len(rows), torch.Generator()))
+    assert_same_state(before, snapshot(cache))
+    rows = [(0, 3), (2, 0), (2, 1)]  # the cache still behaves as if the refused step never came
+    qkvs = random_qkvs(cfg, len(rows), torch.Generator().manual_seed(9))
+    assert_outputs_equal(step(cache, rows, qkvs), step(twin, rows, qkvs), "after the refusal")
+
+
+def test_step_needing_more_cells_than_free_is_refused_and_changes_nothing():
+    cfg = tiny_cfg(4)
+    cache = filled_cache(cfg, LAYOUT_CELL, max_cells=22)  # 19 cells used, 3 free
+    before = snapshot(cache)
+    rows = [(0, 3), (2, 0), (2, 1), (2, 2)]
+    with pytest.raises(CacheError, match=r"out of cells: the step needs 4 new cells but 3 of max_cells=22 are free"):
+        step(cache, rows, random_qkvs(cfg, 4, torch.Generator()))
+    assert_same_state(before, snapshot(cache))
+    cache.release(1)
+    assert cache.metrics().cells_free == 19
+    step(cache, rows, random_qkvs(cfg, 4, torch.Generator()))
+    assert cache.metrics().lengths == (4, 0, 3)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rewind_and_clone_outside_lengths_are_refused(layout):
+    cache = filled_cache(tiny_cfg(4), layout)
+    before = snapshot(cache)
+    for call, message in ((lambda: cache.rewind(0, 4), r"new_length=4; allowed: 0\.\.3"),
+                          (lambda: cache.rewind(3, 0), r"slot=3 is out of range"),
+                          (lambda: cache.clone(0, 1, 2), r"dst=1: .* empty; its length is 16"),
+                          (lambda: cache.clone(0, 2, 4), r"length=4 from slot 0; allowed: 0\.\.3"),
+                          (lambda: cache.release(-1), r"slot=-1 is out of range")):
+        with pytest.raises(CacheError, match=message):
+            call()
+    assert_same_state(before, snapshot(cache))
+
+
+# --------------------------------------------------------------------------- sharing and placement
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_clone_then_diverge_matches_writing_the_prefix_twice(layout):
+    cfg = tiny_cfg(4)
+    cloned, twice = new_cache(cfg, layout), new_cache(cfg, layout)
+    gen = torch.Generator().manual_seed(10)
+    chunks = [[(0, p) for p in range(8)], [(0, p) for p in range(8, 11)]]
+    prefix = [random_qkvs(cfg, len(rows), gen) for rows in chunks]
+    for rows, qkvs in zip(chunks, prefix):
+        step(cloned, rows, qkvs), step(twice, rows, qkvs)
+    cloned.clone(0, 1, 9)  # a strict prefix of slot 0
+    step(twice, [(1, p) for p in range(8)], prefix[0])
+    step(twice, [(1, 8)], [tuple(t[:1] for t in qkv) for qkv in prefix[1]])
+    assert cloned.metrics().lengths == twice.metrics().lengths == (11, 9, 0)
+    for i in range(8):
+        rows = [(0, 11 + i), (1, 9 + 2 * i), (1, 10 + 2 * i)]
+        qkvs = random_qkvs(cfg, len(rows), gen)
+        assert_outputs_equal(step(cloned, rows, qkvs), step(twice, rows, qkvs), f"diverged step {i}")
+    if layout == LAYOUT_CELL:
+        assert cloned.metrics().cells_used == twice.metrics().cells_used - 9
+
+
+def test_writing_a_shared_cell_copies_only_that_position():
+    cfg = tiny_cfg(4)
+    shared, control = new_cache(cfg, LAYOUT_CELL), new_cache(cfg, LAYOUT_CELL)
+    gen = torch.Generator().manual_seed(12)
+    qkvs = random_qkvs(cfg, 6, gen)
+    step(shared, [(0, p) for p in range(6)], qkvs)
+    step(control, [(0, p) for p in range(6)], qkvs)
+    step(control, [(1, p) for p in range(5)], [tuple(t[:5] for t in qkv) for qkv in qkvs])
+    shared.clone(0, 1, 6)
+    assert shared.metrics().cells_used == 6
+    rows = [(1, 5), (1, 6)]  # position 5 of slot 1 is shared with slot 0: it gets a cell of its own
+    qkvs = random_qkvs(cfg, 2, gen)
+    assert_outputs_equal(step(shared, rows, qkvs), step(control, rows, qkvs), "writer")
+    assert shared.cell_list(1)[:5] == shared.cell_list(0)[:5] and shared.cell_list(1)[5] != shared.cell_list(0)[5]
+    assert shared.metrics().cells_used == 8
+    rows = [(0, 6)]
+    qkvs = random_qkvs(cfg, 1, gen)
+    assert_outputs_equal(step(shared, rows, qkvs), step(control, rows, qkvs), "the other owner")
+    shared.release(0)
+    assert shared.metrics().cells_used == 7  # slot 1 still owns 0..4; slot 0's own cells for 5 and 6 are freed
+
+
+def test_placement_takes_the_lowest_free_cell():
+    cfg = tiny_cfg(4)
+    cache = new_cache(cfg, LAYOUT_CELL, max_cells=16)
+    gen = torch.Generator().manual_seed(13)
+
+    def write(rows):
+        step(cache, rows, random_qkvs(cfg, len(rows), gen))
+
+    write([(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (2, 0), (2, 1)])  # step order decides
+    assert [cache.cell_list(s) for s in range(3)] == [[0, 2, 4], [1, 3, 5], [6, 7]]
+    cache.release(1)
+    write([(2, 2), (0, 3)])
+    assert cache.cell_list(2) == [6, 7, 1] and cache.cell_list(0) == [0, 2, 4, 3]
+    cache.rewind(0, 2)  # frees 4 and 3
+    write([(1, p) for p in range(4)])
+    assert cache.cell_list(1) == [3, 4, 5, 8]
+    assert torch.equal(cache.cell_table[1, :5], torch.tensor([3, 4, 5, 8, cache.scratch_cell]))
+
+
+# --------------------------------------------------------------------------- factory and metrics
+
+
+def test_make_cache_chooses_the_layout_the_spec_names():
+    cfg = tiny_cfg(4)
+    seq = make_cache(kv_spec(cfg, LAYOUT_SEQUENCE), "cpu")
+    cell = make_cache(kv_spec(cfg, LAYOUT_CELL, max_cells=100), "cpu")
+    assert isinstance(seq, BatchedSequenceCache) and (seq.n_slots, seq.scratch_slot) == (N_SLOTS, N_SLOTS)
+    assert isinstance(cell, BatchedCellCache) and cell.n_slots == 64 and cell.scratch_slot == 64
+    assert make_cache(kv_spec(cfg, LAYOUT_CELL, max_cells=10), "cpu").n_slots == 10
+    assert make_cache(kv_spec(cfg, LAYOUT_CELL), "cpu", n_slots=5).lengths().shape == (6,)
+    with pytest.raises(CacheError, match=r"n_slots=5 for the sequence layout; allowed: kv.max_seqs=3"):
+        make_cache(kv_spec(cfg, LAYOUT_SEQUENCE), "cpu", n_slots=5)
+    m = seq.metrics()
+    assert (m.layout, m.lengths, m.rows, m.cells_used) == ("sequence", (0, 0, 0), (11, 48, 11, 48), None)
+    slots, hkv, head_dim, fp32 = N_SLOTS + 1, 2, 8, 4
+    assert m.bytes_allocated == 2 * slots * (11 + 48 + 11 + 48) * hkv * head_dim * fp32  # K and V
+    assert cell.metrics().cells_free == 100 and cell.capacity == 48 and cell.max_write == 8
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_update_and_attend_replays_from_a_cuda_graph(layout):
+    """declare_step on the host, then every layer's update_and_attend replayed from one captured graph."""
+    cfg = tiny_cfg(4)
+    spec = kv_spec(cfg, layout)
+    graphed, eager = make_cache(spec, "cuda"), make_cache(spec, "cuda")
+    n = 2
+    static = {"positions": torch.zeros(n, dtype=torch.int64, device="cuda"),
+              "slots": torch.zeros(n, dtype=torch.int64, device="cuda"),
+              "qkvs": [tuple(t.cuda() for t in qkv) for qkv in random_qkvs(cfg, n, torch.Generator())]}
+
+    def layers():
+        return [graphed.update_and_attend(q, k, v, static["positions"], static["slots"], i, SCALE)
+                for i, (q, k, v) in enumerate(static["qkvs"])]
+
+    graph, version, outs = None, None, None
+    gen = torch.Generator().manual_seed(14)
+    for p in range(20):  # two sequences decode in step; the ring wraps (4 + 8 - 1 = 11 rows)
+        positions, slots = torch.tensor([p, p]), torch.tensor([0, 1])
+        graphed.declare_step(positions, slots)
+        static["positions"].copy_(positions)
+        static["slots"].copy_(slots)
+        qkvs = random_qkvs(cfg, n, gen)
+        for dst, src in zip(static["qkvs"], qkvs):
+            for d, s in zip(dst, src):
+                d.copy_(s)
+        if graph is None or graphed.storage_version() != version:
+            graph, version = torch.cuda.CUDAGraph(), graphed.storage_version()
+            with torch.cuda.graph(graph):
+                outs = layers()
+        graph.replay()
+        want = step(eager, list(zip(slots.tolist(), positions.tolist())), [tuple(t.cuda() for t in x) for x in qkvs])
+        assert_outputs_equal(outs, want, f"position {p}")
