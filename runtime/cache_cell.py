@@ -51,7 +51,7 @@ class BatchedCellCache(KVCache):
         self._free = list(range(self.max_cells))  # a heap: the lowest free cell is _free[0]
 
     def _zeros(self, n_kv_heads: int, head_dim: int) -> torch.Tensor:
-        # Zeros, not empty: masked keys still enter the softmax-weighted sum with weight 0, and 0 * NaN = NaN.
+        # Zeros, not empty: every key a query reads is written first, but a stray read of a fresh row stays finite.
         return torch.zeros(self.max_cells + 1, n_kv_heads, head_dim, dtype=self.dtype, device=self.device)
 
     def storage(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ class BatchedSequenceCache(KVCache):
         self._held_from = [[0] * (self.n_slots + 1) for _ in spec.layers]
 
     def _zeros(self, layer_id: int, rows: int) -> torch.Tensor:
-        # Zeros, not empty: masked keys still enter the softmax-weighted sum with weight 0, and 0 * NaN = NaN.
+        # Zeros, not empty: every key a query reads is written first, but a stray read of a fresh row stays finite.
         layer = self.spec.layers[layer_id]
         return torch.zeros(self.n_slots + 1, rows, layer.n_kv_heads, layer.head_dim, dtype=self.dtype,
                            device=self.device)

@@ -97,13 +97,13 @@ def test_n_draft_is_respected():
     target = logits.argmax(-1)
     n_draft = torch.tensor([0, 1, 2, 4])
     draft = torch.where(torch.arange(4) < n_draft[:, None], target[:, :4], -1)  # padded with -1
+    agreeing_past_n = target[:, :4]  # drafts past n_draft agree with the target but must not be accepted
     for batch in (SamplingBatch.from_params([P()] * 4), SamplingBatch.from_params([P(1.0, top_k=1, seed=1)] * 4)):
-        result = accept(draft, None, logits, n_draft, batch, _zeros(4))
-        assert torch.equal(result.n_accepted, n_draft)
-        for b, n in enumerate(n_draft.tolist()):  # drafts, the bonus from row n, then -1
-            assert result.tokens[b].tolist() == target[b, : n + 1].tolist() + [-1] * (4 - n)
-    agreeing_past_n = target[:, :4]  # drafts past n_draft agree with the target but are not accepted
-    assert torch.equal(accept(agreeing_past_n, None, logits, n_draft, batch, _zeros(4)).n_accepted, n_draft)
+        for drafts in (draft, agreeing_past_n):
+            result = accept(drafts, None, logits, n_draft, batch, _zeros(4))
+            assert torch.equal(result.n_accepted, n_draft)
+            for b, n in enumerate(n_draft.tolist()):  # drafts, the bonus from row n, then -1
+                assert result.tokens[b].tolist() == target[b, : n + 1].tolist() + [-1] * (4 - n)
 
 
 def test_empty_draft_commits_one_target_token():
