@@ -1,0 +1,146 @@
+"""Loading an artifact directory: manifest, file hashes, program, and their cross-check.
+
+The runtime knows the model only through this: `manifest.json` (validated by
+mg.manifests), `model.pte` (run by `Program`), and the constant methods, which
+must agree with the manifest value for value. The KV layout is chosen here from
+what the program publishes: kBatchedSequence when it declares
+`get_offgraph_kv_max_seqs`, kBatchedCell otherwise. Never imports mg.export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import mg.kernels  # noqa: F401  (registers the mg:: op schemas the program names)
+from mg.manifests import Manifest, ManifestError, constants as C, read_manifest
+
+from .program import Program, ProgramError
+
+CUSTOM_OPS = ("mg::update_and_attend", "mg::draft_append", "mg::draft_attend")
+
+
+class ArtifactError(ValueError):
+    """An artifact that cannot be served as it is; one line naming the file and both values."""
+
+
+@dataclass
+class Artifact:
+    directory: Path
+    manifest: Manifest
+    program: Program
+    layout: str  # chosen from the program's constant methods
+    tokenizer_path: Optional[Path]
+
+    @property
+    def has_draft(self) -> bool:
+        return self.manifest.draft is not None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_files(directory: Path, manifest: Manifest) -> None:
+    for entry in manifest.files:
+        path = directory / entry.name
+        if not path.is_file():
+            raise ArtifactError(f"{path}: file not found (listed in {C.MANIFEST_FILE})")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise ArtifactError(f"{path}: size is {size} bytes; {C.MANIFEST_FILE} says {entry.size}")
+        digest = _sha256(path)
+        if digest != entry.sha256:
+            raise ArtifactError(f"{path}: sha256 is {digest[:16]}...; {C.MANIFEST_FILE} says {entry.sha256[:16]}...")
+
+
+def expected_constants(manifest: Manifest) -> dict[str, object]:
+    """What each constant method must return, from the manifest."""
+    kv = manifest.kv
+    expect: dict[str, object] = {
+        C.GET_MAX_CONTEXT_LEN: kv.capacity,
+        C.GET_MAX_WRITE: kv.max_write,
+        C.GET_VOCAB_SIZE: manifest.model.vocab_size,
+        C.GET_N_LAYERS: manifest.model.n_layers,
+        C.GET_KV_HEADS: [layer.n_kv_heads for layer in kv.layers],
+        C.GET_HEAD_DIMS: [layer.head_dim for layer in kv.layers],
+        C.GET_WINDOWS: [layer.window for layer in kv.layers],
+    }
+    if kv.layout == C.LAYOUT_SEQUENCE:
+        expect[C.GET_OFFGRAPH_KV_MAX_SEQS] = kv.max_seqs
+    else:
+        expect[C.GET_OFFGRAPH_KV_MAX_CELLS] = kv.max_cells
+    if manifest.draft is not None:
+        d = manifest.draft
+        expect[C.GET_DRAFT_OFFGRAPH_KV_SEQ_CAPACITY] = d.kv.capacity
+        expect[C.GET_BLOCK_SIZE] = d.block_size
+        expect[C.GET_MASK_TOKEN_ID] = d.mask_token_id
+        expect[C.GET_N_TARGET_LAYERS] = len(d.target_layers)
+    return expect
+
+
+def _as_value(found, expected):
+    if isinstance(expected, list):
+        return list(found) if isinstance(found, (list, tuple)) else [found]
+    if isinstance(found, (list, tuple)) and len(found) == 1:
+        return found[0]
+    return found
+
+
+def _cross_check(program: Program, manifest: Manifest, source: str) -> str:
+    names = set(program.method_names)
+    for spec in manifest.methods:
+        if spec.name not in names:
+            raise ArtifactError(f"{source}: method '{spec.name}' is declared in {C.MANIFEST_FILE} but not in the "
+                                f"program (program has: {', '.join(sorted(names))})")
+    for name, expected in expected_constants(manifest).items():
+        if name not in names:
+            raise ArtifactError(f"{source}: constant method '{name}' is missing from the program; "
+                                f"{C.MANIFEST_FILE} says {expected}")
+        found = _as_value(program.constant(name), expected)
+        if found != expected:
+            raise ArtifactError(f"{source}: constant method '{name}' returns {found}; {C.MANIFEST_FILE} says "
+                                f"{expected}")
+    has_seqs = C.GET_OFFGRAPH_KV_MAX_SEQS in names
+    has_cells = C.GET_OFFGRAPH_KV_MAX_CELLS in names
+    layout = C.LAYOUT_SEQUENCE if has_seqs else C.LAYOUT_CELL
+    if has_seqs and has_cells:
+        raise ArtifactError(f"{source}: the program declares both '{C.GET_OFFGRAPH_KV_MAX_SEQS}' and "
+                            f"'{C.GET_OFFGRAPH_KV_MAX_CELLS}'; an artifact has one KV layout")
+    if layout != manifest.kv.layout:
+        raise ArtifactError(f"{source}: the program's constant methods give layout '{layout}'; "
+                            f"{C.MANIFEST_FILE} says '{manifest.kv.layout}'")
+    return layout
+
+
+def load_artifact(directory: Path, device: str = "cpu", layout: Optional[str] = None) -> Artifact:
+    """Load and verify an artifact. `layout`, when given, must equal the exported one (it is fixed at export)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory}: not an artifact directory (expected {C.MANIFEST_FILE} and "
+                            f"{C.PROGRAM_FILE} in it)")
+    try:
+        manifest = read_manifest(directory / C.MANIFEST_FILE)
+    except ManifestError as e:
+        raise ArtifactError(str(e)) from None
+    if layout is not None and layout != manifest.kv.layout:
+        raise ArtifactError(f"--kv-layout {layout} was asked for, but {directory} was exported with the "
+                            f"'{manifest.kv.layout}' layout; the layout is fixed at export (re-export to change it)")
+    _check_files(directory, manifest)
+    program_path = directory / C.PROGRAM_FILE
+    try:
+        program = Program.load(program_path, device=device, dtype=getattr(torch, manifest.model.dtype),
+                               custom_ops={name: None for name in CUSTOM_OPS})
+    except ProgramError as e:
+        raise ArtifactError(str(e)) from None
+    chosen = _cross_check(program, manifest, str(directory))
+    tok = directory / C.TOKENIZER_FILE
+    return Artifact(directory, manifest, program, chosen, tok if tok.is_file() else None)
