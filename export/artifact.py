@@ -24,8 +24,10 @@ from mg.manifests import (
 
 from .checkpoint import load_config, load_state
 from .config import PRESETS, MuseGlimmerConfig
+from .draft_lower import DraftSource, draft_constants, draft_facts, draft_kv_spec, draft_methods, export_draft
 from .lower import ProgramParts, export_target, target_constants, to_program
 from .model import MuseGlimmer, init_random
+from .tokenizer import N_IDS as BYTE_TOKENIZER_IDS, write_byte_tokenizer
 
 Progress = Callable[[str], None]
 PRESET_SEED = 0
@@ -53,6 +55,7 @@ class TargetSource:
     cfg: MuseGlimmerConfig
     model: MuseGlimmer
     tokenizer: Optional[Path]  # tokenizer.json to copy into the artifact
+    byte_tokenizer: bool = False  # no tokenizer.json: write the byte-level one (presets)
 
 
 def load_target(checkpoint: Optional[Path], preset: Optional[str]) -> TargetSource:
@@ -65,7 +68,8 @@ def load_target(checkpoint: Optional[Path], preset: Optional[str]) -> TargetSour
     if preset not in PRESETS:
         raise ExportError(f"--preset is {preset!r}; allowed: {' | '.join(PRESETS)}")
     cfg = PRESETS[preset]
-    return TargetSource(f"preset-{preset}", cfg, init_random(MuseGlimmer(cfg), PRESET_SEED), None)
+    return TargetSource(f"preset-{preset}", cfg, init_random(MuseGlimmer(cfg), PRESET_SEED), None,
+                        byte_tokenizer=cfg.vocab_size >= BYTE_TOKENIZER_IDS)
 
 
 def check_options(opts: ExportOptions) -> None:
@@ -144,8 +148,10 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
-def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progress) -> Manifest:
-    """Export `target` under `opts` into `opts.output_dir`; nothing is left behind on failure."""
+def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progress,
+                    draft: Optional[DraftSource] = None) -> Manifest:
+    """Export `target` (and its DFlash `draft`) under `opts` into `opts.output_dir`; nothing is left
+    behind on failure."""
     check_options(opts)
     t0 = time.perf_counter()
     cfg = target.cfg
@@ -155,9 +161,20 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
     progress(f"model {target.name}: {cfg.n_layers} layers ({len(kv.ring_layers)} ring, "
              f"{cfg.n_layers - len(kv.ring_layers)} flat), dim {cfg.dim}, vocab {cfg.vocab_size}, "
              f"{cfg.n_params() / 1e6:.2f}M parameters, {dtype}")
-    progress(f"torch.export forward (tokens per step 1..{opts.max_write})")
-    methods = {C.METHOD_FORWARD: export_target(model, opts.max_write)}
+    taps = tuple(draft.cfg.target_layers) if draft is not None else ()
+    progress(f"torch.export forward (tokens per step 1..{opts.max_write}{', hidden taps ' + str(list(taps)) if taps else ''})")
+    methods = {C.METHOD_FORWARD: export_target(model, opts.max_write, taps)}
     constants = target_constants(cfg, kv)
+    specs = (forward_method(cfg, kv, taps),)
+    draft_kv = None
+    if draft is not None:
+        draft_model = draft.model.to(getattr(torch, dtype)).eval()
+        draft_kv = draft_kv_spec(draft.cfg, kv)
+        progress(f"torch.export drafter {draft.name}: {draft.cfg.n_layers} layers, block {draft.cfg.block_size}, "
+                 f"mask token {draft.cfg.mask_token_id}")
+        methods.update(export_draft(draft_model, model, draft_kv))
+        constants.update(draft_constants(draft.cfg, draft_kv))
+        specs += draft_methods(draft.cfg, cfg, draft_kv)
     program = to_program(ProgramParts(methods, constants), progress)
 
     out = Path(opts.output_dir)
@@ -169,12 +186,15 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
         if target.tokenizer is not None:
             shutil.copyfile(target.tokenizer, tmp / C.TOKENIZER_FILE)
             files.append(C.TOKENIZER_FILE)
+        elif target.byte_tokenizer:
+            write_byte_tokenizer(tmp / C.TOKENIZER_FILE)
+            files.append(C.TOKENIZER_FILE)
         manifest = Manifest(
             format=C.FORMAT, version=C.VERSION,
             model=ModelFacts(name=target.name, vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
                              bos_id=cfg.bos_id, eos_ids=tuple(cfg.eos_ids), dtype=dtype),
-            kv=kv, draft=None,
-            methods=(forward_method(cfg, kv, ()),) + constant_method_specs(constants),
+            kv=kv, draft=draft_facts(draft.cfg, draft_kv) if draft is not None else None,
+            methods=specs + constant_method_specs(constants),
             files=tuple(FileEntry(f, (tmp / f).stat().st_size, _sha256(tmp / f)) for f in files),
             provenance=Provenance(tool_version=_version("mg-toolchain"), torch_version=torch.__version__,
                                   executorch_version=_version("executorch")),

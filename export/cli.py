@@ -12,6 +12,7 @@ from mg.manifests import ManifestError, constants as C
 
 from .checkpoint import CheckpointError
 from .config import PRESETS, ConfigError
+from .draft_model import DRAFT_PRESETS
 
 
 def _progress():
@@ -28,6 +29,10 @@ def _progress():
               help="Native checkpoint directory (config.json + model.safetensors).")
 @click.option("--preset", type=str, default=None,
               help=f"Random-weight configuration instead of a checkpoint: {' | '.join(PRESETS)}.")
+@click.option("--draft-checkpoint", type=click.Path(path_type=Path), default=None,
+              help="DFlash drafter checkpoint directory (config.json + model.safetensors).")
+@click.option("--draft-preset", type=str, default=None,
+              help=f"Random-weight drafter instead of a checkpoint: {' | '.join(DRAFT_PRESETS)}.")
 @click.option("--kv-layout", "layout", type=str, default=C.LAYOUT_SEQUENCE, show_default=True,
               help="KV cache layout, fixed at export: sequence (kBatchedSequence) | cell (kBatchedCell).")
 @click.option("--max-kv-seqs", "max_seqs", type=int, default=None,
@@ -39,14 +44,19 @@ def _progress():
 @click.option("--dtype", type=str, default=None, help="float32 | bfloat16 [default: the checkpoint's].")
 @click.option("-o", "--output-dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
-def main(checkpoint, preset, layout, max_seqs, max_cells, max_context, max_write, dtype, output_dir, force):
+def main(checkpoint, preset, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write, dtype, output_dir, force):
     """Export an MG model to an ExecuTorch program (model.pte) with manifest.json."""
-    from .artifact import ExportError, ExportOptions, check_options, export_artifact, load_target
+    from .artifact import PRESET_SEED, ExportError, ExportOptions, check_options, export_artifact, load_target
+    from .draft_lower import load_draft
 
     if checkpoint is not None and preset is not None:
         _die("--checkpoint and --preset are exclusive; give one")
     if checkpoint is None and preset is None:
         preset = "tiny"
+    if draft_checkpoint is not None and draft_preset is not None:
+        _die("--draft-checkpoint and --draft-preset are exclusive; give one")
+    if draft_preset is not None and draft_preset not in DRAFT_PRESETS:
+        _die(f"--draft-preset is {draft_preset!r}; allowed: {' | '.join(DRAFT_PRESETS)}")
     if preset is not None and preset not in PRESETS:
         _die(f"--preset is {preset!r}; allowed: {' | '.join(PRESETS)}")
     if layout == C.LAYOUT_SEQUENCE and max_seqs is None and max_cells is None:
@@ -60,7 +70,11 @@ def main(checkpoint, preset, layout, max_seqs, max_cells, max_context, max_write
         check_options(opts)
         say(f"loading {'checkpoint ' + str(checkpoint) if checkpoint else 'preset ' + preset}")
         target = load_target(checkpoint, preset)
-        export_artifact(opts, target, say)
+        draft = None
+        if draft_checkpoint is not None or draft_preset is not None:
+            say(f"loading drafter {'checkpoint ' + str(draft_checkpoint) if draft_checkpoint else 'preset ' + draft_preset}")
+            draft = load_draft(draft_checkpoint, draft_preset, target.cfg, PRESET_SEED)
+        export_artifact(opts, target, say, draft)
     except (ExportError, CheckpointError, ConfigError, ManifestError) as e:
         _die(str(e))
 

@@ -64,15 +64,8 @@ class DraftBlockMethod(nn.Module):
 
 
 def draft_max_seqs(kv: KVSpec) -> int:
-    """Sequence slots of the draft cache (the bound on B of `draft_block`).
-
-    Sequence layout: the target's `max_seqs`. Cell layout (no sequence count in the KV spec): every served
-    sequence writes at least one token per target step and holds at least one cell, so no more than
-    min(max_write, max_cells) sequences are ever active at once; the runtime sizes its slot table to this.
-    """
-    if kv.layout == C.LAYOUT_SEQUENCE:
-        return kv.max_seqs
-    return min(kv.max_write, kv.max_cells)
+    """Sequence slots of the draft cache (the bound on B of `draft_block`): `KVSpec.max_active_seqs`."""
+    return kv.max_active_seqs
 
 
 def draft_kv_spec(dcfg: DFlashConfig, target_kv: KVSpec) -> KVSpec:
@@ -131,13 +124,12 @@ def draft_methods(dcfg: DFlashConfig, target: MuseGlimmerConfig, draft_kv: KVSpe
     return draft_append_method(dcfg, target, draft_kv), draft_block_method(dcfg, target, draft_kv)
 
 
-def export_draft(draft: DFlashDraft, target: MuseGlimmer, max_write: int, max_seqs: int) -> dict:
-    """torch.export both draft methods: M in [1, max_write]; B in [1, max_seqs] (static 1 when max_seqs is 1),
-    T = block_size static. -> {method name: ExportedProgram}."""
+def export_draft(draft: DFlashDraft, target: MuseGlimmer, draft_kv: KVSpec) -> dict:
+    """torch.export both draft methods under the bounds `draft_methods` declares: M in [1, max_write];
+    B in [1, draft_max_seqs] (static 1 when that is 1); T = block_size static. -> {method name: ExportedProgram}."""
+    max_write, max_seqs = draft_kv.max_write, draft_max_seqs(draft_kv)
     if max_write < 2:
         raise ValueError(f"max_write is {max_write}; allowed: an integer >= 2")
-    if max_seqs < 1:
-        raise ValueError(f"max_seqs is {max_seqs}; allowed: an integer >= 1")
     cfg, dtype = draft.cfg, draft.fc.weight.dtype
     m = Dim("n_rows", min=1, max=max_write)
     hidden = torch.zeros(2, draft.fc.in_features, dtype=dtype)

@@ -94,8 +94,9 @@ def _increasing(ids: list) -> bool:
 
 
 DRAFT_PRESETS: dict[str, DFlashConfig] = {
-    # For the tiny target (dim 64, 6 layers, vocab 512, bos 1, eos 2): taps at 1, 3, 5 cover a global
-    # layer (1, 5) and a sliding one (3); mask 3 is the first id after the specials.
+    # Both presets use mask id 3: <mask> of the byte tokenizer written for presets (export/tokenizer.py).
+    # For the tiny target (dim 64, 6 layers, vocab 512): taps at 1, 3, 5 cover global layers (1, 5) and a
+    # sliding one (3).
     "tiny": DFlashConfig(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, block_size=8,
                          mask_token_id=3, target_layers=(1, 3, 5), rope_theta=10000.0),
     # For the ~1B "medium" target (dim 2048, 16 layers, vocab 32000): 3 layers, 5 taps spread like the real

@@ -82,6 +82,14 @@ class KVSpec:
             _need(layer.layer_id == i, f"{path}.layers[{i}].layer_id", layer.layer_id, f"{i} (layers in order)")
 
     @property
+    def max_active_seqs(self) -> int:
+        """Sequences that can be active at once: `max_seqs` (sequence layout), or for the cell layout
+        min(max_write, max_cells), since each active sequence writes a token per step and holds a cell."""
+        if self.layout == LAYOUT_SEQUENCE:
+            return self.max_seqs
+        return min(self.max_write, self.max_cells)
+
+    @property
     def windows(self) -> tuple[int, ...]:
         return tuple(layer.window for layer in self.layers)
 

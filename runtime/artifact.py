@@ -80,6 +80,7 @@ def expected_constants(manifest: Manifest) -> dict[str, object]:
         expect[C.GET_OFFGRAPH_KV_MAX_CELLS] = kv.max_cells
     if manifest.draft is not None:
         d = manifest.draft
+        expect[C.GET_DRAFT_OFFGRAPH_KV_MAX_SEQS] = d.kv.max_active_seqs
         expect[C.GET_DRAFT_OFFGRAPH_KV_SEQ_CAPACITY] = d.kv.capacity
         expect[C.GET_BLOCK_SIZE] = d.block_size
         expect[C.GET_MASK_TOKEN_ID] = d.mask_token_id

@@ -93,6 +93,20 @@ class KVCache(abc.ABC):
     def storage(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V storage tensors (for kernels and tests)."""
 
+    @abc.abstractmethod
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,
+              layer_id: int) -> None:
+        """Write k/v [N, Hkv, D] at each token's (slot, position) of a declared step, without attending."""
+
+    @abc.abstractmethod
+    def gather(self, layer_id: int, key_pos: torch.Tensor, seq_slots: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [B, S, Hkv, D] of slot seq_slots[b] at positions key_pos [B, S] (positions must be held)."""
+
+    @abc.abstractmethod
+    def max_span(self, layer_id: int) -> int:
+        """How many positions a read of this layer may need at most, from storage shapes only."""
+
     def length(self, slot: int) -> int:
         return self._length[slot]
 

@@ -61,12 +61,23 @@ class BatchedCellCache(KVCache):
         """The ordered cells of `slot` (position -> cell id)."""
         return list(self._cells[slot])
 
-    def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
+    def write(self, k, v, positions, seq_slots, layer_id: int) -> None:
         # declare_step placed the step's cells in the device cell_table; padding rows map to the scratch cell.
         k_pool, v_pool = self._k[layer_id], self._v[layer_id]
         cells = self.cell_table[seq_slots, positions]
         k_pool.index_put_((cells,), k.to(k_pool.dtype))
         v_pool.index_put_((cells,), v.to(v_pool.dtype))
+
+    def gather(self, layer_id: int, key_pos, seq_slots):
+        cells = self.cell_table[seq_slots[:, None].expand_as(key_pos), key_pos]
+        return self._k[layer_id][cells], self._v[layer_id][cells]
+
+    def max_span(self, layer_id: int) -> int:
+        return self.capacity
+
+    def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
+        self.write(k, v, positions, seq_slots, layer_id)
+        k_pool, v_pool = self._k[layer_id], self._v[layer_id]
         return attend_cells_ref(q, k_pool, v_pool, self.cell_table, positions, seq_slots,
                                 self._windows[layer_id], scale)
 

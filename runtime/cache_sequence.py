@@ -52,13 +52,26 @@ class BatchedSequenceCache(KVCache):
     def storage(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k[layer_id], self._v[layer_id]
 
-    def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
+    def write(self, k, v, positions, seq_slots, layer_id: int) -> None:
         # The write row is derived on the device from the op's own inputs: rows is a storage shape,
         # fixed until growth bumps storage_version. No host reads, so this can be graph-captured.
         k_store, v_store = self._k[layer_id], self._v[layer_id]
         row = positions % k_store.shape[1]
         k_store.index_put_((seq_slots, row), k.to(k_store.dtype))
         v_store.index_put_((seq_slots, row), v.to(v_store.dtype))
+
+    def gather(self, layer_id: int, key_pos, seq_slots):
+        k_store, v_store = self._k[layer_id], self._v[layer_id]
+        rows = key_pos % k_store.shape[1]
+        slots = seq_slots[:, None].expand_as(rows)
+        return k_store[slots, rows], v_store[slots, rows]
+
+    def max_span(self, layer_id: int) -> int:
+        return self.rows(layer_id)
+
+    def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
+        self.write(k, v, positions, seq_slots, layer_id)
+        k_store, v_store = self._k[layer_id], self._v[layer_id]
         return attend_columns_ref(q, k_store, v_store, positions, seq_slots, self._windows[layer_id], scale)
 
     # ------------------------------------------------------------------ hooks

@@ -68,7 +68,7 @@ class Engine:
         self.device = torch.device(device)
         self.program = artifact.program
         kv = artifact.manifest.kv
-        self.cache = make_cache(kv, self.device, n_slots)
+        self.cache = make_cache(kv, self.device, n_slots if n_slots is not None else kv.max_active_seqs)
         self.program.bind("mg::update_and_attend", self.cache.update_and_attend)
         self.scheduler = Scheduler(max_write=kv.max_write, n_slots=self.cache.n_slots, capacity=kv.capacity,
                                    vocab_size=artifact.manifest.model.vocab_size,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,16 +53,7 @@ class MethodInfo:
 
 
 @dataclass
-class _Step:
-    run: Callable[[list], Optional[int]]  # returns a step index only for a taken jump
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    foldable: bool
-
-
-@dataclass
 class _Method:
-    name: str
     template: list  # the values table every call starts from: constants, folded results, None
     inputs: list[int]
     input_specs: list  # schema.Tensor (or None for non-tensor inputs)
@@ -78,7 +70,7 @@ def _ensure_flatc() -> None:
     if "FLATC_EXECUTABLE" in os.environ:
         return
     import executorch
-    flatc = Path(executorch.__file__).parent / "data" / "bin" / "flatc"
+    flatc = Path(list(executorch.__path__)[0]) / "data" / "bin" / "flatc"  # a namespace package: no __file__
     if flatc.is_file():
         if not os.access(flatc, os.X_OK):
             flatc.chmod(flatc.stat().st_mode | 0o111)
@@ -227,10 +219,7 @@ class Program:
                 raise ProgramError(f"{self.source}: method {method!r} value {index} has scalar type "
                                    f"{t.scalar_type!r}, which this runner does not support")
             raw = self._program.constant_buffer[buf].storage if buf < len(self._program.constant_buffer) else b""
-            numel = 1
-            for s in t.sizes:
-                numel *= s
-            start, nbytes = t.storage_offset * dtype.itemsize, numel * dtype.itemsize
+            start, nbytes = t.storage_offset * dtype.itemsize, math.prod(t.sizes) * dtype.itemsize
             if len(raw) < start + nbytes:
                 raise ProgramError(f"{self.source}: constant buffer {buf} holds {len(raw)} bytes; method "
                                    f"{method!r} value {index} needs {start + nbytes} (truncated program?)")
@@ -271,5 +260,141 @@ class Program:
         return values
 
     def _build(self, plan) -> _Method:
-        from .program_build import MethodBuilder  # noqa: placeholder replaced below
-        raise NotImplementedError
+        S = self._S
+        bindings = [self._resolve(plan, op) for op in plan.operators]
+        instructions = [ins.instr_args for chain in plan.chains for ins in chain.instructions]
+        dynamic = set(plan.inputs)
+        for a in instructions:
+            if isinstance(a, S.KernelCall):
+                dynamic.update(t for t, _, _ in self._targets(plan, a, bindings[a.op_index]))
+            elif isinstance(a, S.MoveCall):
+                dynamic.add(a.move_to)
+            elif isinstance(a, S.FreeCall):
+                dynamic.add(a.value_index)
+        lists = (S.IntList, S.TensorList, S.OptionalTensorList)
+        dynamic.update(i for i, ev in enumerate(plan.values)
+                       if isinstance(ev.val, lists) and any(j in dynamic for j in ev.val.items))
+        template = self._template(plan, dynamic)
+        steps, jump_targets = self._steps(plan, bindings, template, dynamic)
+        n_folded = 0
+        if self.fold_constants and not jump_targets:
+            steps, n_folded = ops.fold(steps, template, dynamic)
+        specs = [plan.values[i].val for i in plan.inputs]
+        operators = tuple(_qualified(op) for op in plan.operators)
+        return _Method(
+            template=template, inputs=list(plan.inputs),
+            input_specs=[v if isinstance(v, S.Tensor) else None for v in specs], outputs=list(plan.outputs),
+            steps=[s.run for s in steps], straight=not jump_targets,
+            custom_ops=frozenset(op.name for op in plan.operators if op.name in self._bindings),
+            list_output=_list_output(plan),
+            info=MethodInfo(plan.name, len(plan.inputs), operators, len(steps), n_folded))
+
+    def _steps(self, plan, bindings, template: list, dynamic: set[int]) -> tuple[list[ops.Step], list[int]]:
+        """All chains' instructions as steps (ExecuTorch runs the chains in order), and the jump targets."""
+        S = self._S
+        steps: list[ops.Step] = []
+        jump_targets: list[int] = []  # step index of each jump's destination, filled per chain
+        for chain in plan.chains:
+            first: list[int] = []  # instruction -> its first step
+            jumps: list[tuple[int, int]] = []
+            for ins in chain.instructions:
+                first.append(len(steps))
+                a = ins.instr_args
+                if isinstance(a, S.KernelCall):
+                    steps += self._kernel(plan, a, bindings[a.op_index], template, dynamic)
+                elif isinstance(a, S.MoveCall):
+                    steps.append(ops.Step(ops.move_step(a.move_from, a.move_to), (a.move_from,), (a.move_to,), True))
+                elif isinstance(a, S.FreeCall):
+                    steps.append(ops.Step(ops.free_step(a.value_index), (), (a.value_index,), False))
+                elif isinstance(a, S.JumpFalseCall):
+                    jumps.append((len(jump_targets), a.destination_instruction))
+                    jump = ops.jump_false_step(a.cond_value_index, jump_targets, len(jump_targets))
+                    steps.append(ops.Step(jump, (a.cond_value_index,), (), False))
+                    jump_targets.append(-1)
+                else:
+                    what = " (backend delegates are not supported)" if isinstance(a, S.DelegateCall) else ""
+                    raise ProgramError(f"{self.source}: method {plan.name!r} uses a {type(a).__name__} "
+                                       f"instruction, which this runner does not support{what}")
+            first.append(len(steps))
+            for k, dest in jumps:
+                jump_targets[k] = first[min(dest, len(first) - 1)]
+        return steps, jump_targets
+
+    def _resolve(self, plan, op) -> ops.OpBinding:
+        if op.name in self._bindings:
+            table, key = self._bindings, op.name
+            binding = ops.custom_binding(op.name, op.overload, lambda *a: table[key](*a))
+            if binding is None:
+                raise ProgramError(f"{self.source}: method {plan.name!r} uses custom op {_qualified(op)!r}, whose "
+                                   f"schema is not registered with torch (import the package that defines it)")
+        else:
+            binding = ops.resolve(op.name, op.overload, self.views_as_copies)
+        if binding is None:
+            hint = "" if op.name.split("::")[0] in ("aten", "executorch_prim", "dim_order_ops") else \
+                f" (declare custom ops in custom_ops; declared: {', '.join(sorted(self._bindings)) or 'none'})"
+            raise ProgramError(f"{self.source}: method {plan.name!r} uses operator {_qualified(op)!r} "
+                               f"which this runner does not support{hint}")
+        return binding
+
+    def _targets(self, plan, call, b: ops.OpBinding) -> tuple[ops.Target, ...]:
+        """Where the results go: each out argument and the return values aliasing it. ExecuTorch passes
+        one value per return, or all returns packed in one TensorList, or the out list for `-> ()`."""
+        n = len(b.out_positions) or b.n_returns
+        rets = list(call.args[b.n_args:])
+        packed = n > 1 and len(rets) == 1 and isinstance(plan.values[rets[0]].val, self._S.TensorList)
+        if not (len(rets) == b.n_returns or (b.out_positions and len(rets) == n) or packed):
+            op = _qualified(plan.operators[call.op_index])
+            raise ProgramError(f"{self.source}: method {plan.name!r} calls {op!r} with {len(call.args)} values; "
+                               f"its schema takes {b.n_args} arguments and {b.n_returns} returns")
+        rets = list(plan.values[rets[0]].val.items) if packed else rets
+        out: list[ops.Target] = []
+        for c in range(n):
+            k = None if n == 1 else c
+            idxs = [call.args[b.out_positions[c]]] if b.out_positions else []
+            idxs += [rets[c]] if c < len(rets) else []
+            for idx in idxs:
+                v = plan.values[idx].val
+                if isinstance(v, self._S.TensorList):
+                    out += [(item, k, j) for j, item in enumerate(v.items)]
+                else:
+                    out.append((idx, k, None))
+        return tuple(dict.fromkeys(out))
+
+    def _kernel(self, plan, call, b: ops.OpBinding, template: list, dynamic: set[int]) -> list[ops.Step]:
+        S = self._S
+        steps: list[ops.Step] = []
+        positional: list[int] = []
+        kw_static: dict[str, Any] = {}
+        kw_dynamic: list[tuple[str, int]] = []
+        for j, (pos, typ) in enumerate(zip(b.input_positions, b.input_types)):
+            idx = call.args[pos]
+            convert = _CONVERT.get(typ)
+            v = plan.values[idx].val
+            if convert is not None:
+                if idx in dynamic:
+                    raise ProgramError(f"{self.source}: method {plan.name!r}: a {typ} argument of "
+                                       f"{_qualified(plan.operators[call.op_index])!r} is computed at run time")
+                template.append(None if template[idx] is None else convert(template[idx]))
+                idx = len(template) - 1
+            elif idx in dynamic and isinstance(v, (S.IntList, S.TensorList, S.OptionalTensorList)):
+                items = tuple(v.items)
+                steps.append(ops.Step(ops.pack_step(items, idx), tuple(i for i in items if i >= 0), (idx,), True))
+            if j < b.n_positional:
+                positional.append(idx)
+            elif idx in dynamic:
+                kw_dynamic.append((b.kwarg_names[j - b.n_positional], idx))
+            else:
+                kw_static[b.kwarg_names[j - b.n_positional]] = template[idx]
+        if "dtype" in b.out_kwargs:
+            kw_static["dtype"] = _DTYPES[int(plan.values[call.args[b.out_positions[0]]].val.scalar_type)]
+        if "device" in b.out_kwargs:
+            kw_static["device"] = self.device
+        fn = functools.partial(b.fn, **kw_static) if kw_static else b.fn
+        if kw_dynamic:
+            fn = ops.call_with_keywords(fn, len(positional), tuple(n for n, _ in kw_dynamic))
+            positional += [i for _, i in kw_dynamic]
+        targets = self._targets(plan, call, b)
+        steps.append(ops.Step(ops.kernel_step(fn, tuple(positional), targets), tuple(positional),
+                              tuple(t for t, _, _ in targets), not b.custom))
+        return steps
+

@@ -1,4 +1,4 @@
-"""The operator table of the program runner: ExecuTorch operator name -> torch callable.
+"""The program runner's operator table and steps: ExecuTorch operator name -> torch callable.
 
 `resolve(name, overload)` turns one entry of a program's operator table into an
 `OpBinding`: a functional torch callable plus where its inputs and outputs sit
@@ -7,8 +7,10 @@ variants (`aten::add.out`) run as their functional overload (`aten::add.Tensor`)
 ExecuTorch's memory plan is not ours, and planned sizes are only upper bounds.
 `*_copy` view ops run as torch views unless copies are asked for. Only the
 operators named here are supported; anything else resolves to None.
-Knows torch and ExecuTorch's operator conventions; knows nothing about
-programs, values tables or MG.
+Steps are closures over a values table (a list indexed like the program's
+values), built once at load; `fold` evaluates the ones computable at load.
+Knows torch and ExecuTorch's operator conventions; knows nothing about the
+program file format or MG.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 # aten ops run through their functional overload (names without overload or `_copy` view ops).
 GENERIC_ATEN = frozenset("""
-    abs acos acosh add addmm alias amax amin any all arange argmax argmin asin asinh atan atan2 atanh
+    abs acos acosh add addmm amax amin any all arange argmax argmin asin asinh atan atan2 atanh
     bitwise_and bitwise_not bitwise_or bitwise_xor bmm cat ceil clamp clone constant_pad_nd cos cosh
     cumsum div embedding empty eq erf exp expm1 fill floor floor_divide fmod full full_like gather ge
     gelu glu gt hardtanh index index_put index_select isinf isnan le leaky_relu linear log log10 log1p
@@ -50,7 +52,7 @@ class OpBinding:
     """How to run one operator. Kernel call args = schema arguments in order, then the returns."""
 
     fn: Callable  # called with inputs[:n_positional] positionally, the rest as keywords `kwarg_names`
-    input_types: tuple[str, ...]  # schema type of each input argument (out arguments left out)
+    input_types: tuple[str, ...]  # schema type of each input argument, Optional stripped (out arguments left out)
     input_positions: tuple[int, ...]  # their positions in the schema's arguments
     n_positional: int
     kwarg_names: tuple[str, ...]  # names of inputs[n_positional:]
@@ -65,6 +67,12 @@ def _is_out(arg) -> bool:
     return arg.alias_info is not None and arg.alias_info.is_write
 
 
+def _type_name(arg) -> str:
+    """The argument's schema type without Optional: "ScalarType", "List[int]", "Tensor" ..."""
+    name = str(getattr(arg, "real_type", arg.type))  # .type says "int" for ScalarType, MemoryFormat, Layout
+    return name[len("Optional["):-1] if name.startswith("Optional[") else name
+
+
 def _binding(schema, fn: Callable, fn_schema=None, out_kwargs: tuple[str, ...] = (),
              custom: bool = False) -> OpBinding:
     """`fn_schema` None: `fn` takes every input positionally; else its keyword-only names are passed by name."""
@@ -73,7 +81,7 @@ def _binding(schema, fn: Callable, fn_schema=None, out_kwargs: tuple[str, ...] =
     kw_only = set() if fn_schema is None else {a.name for a in fn_schema.arguments if a.kwarg_only}
     n_pos = sum(1 for _, a in inputs if a.name not in kw_only)
     assert all(a.name in kw_only for _, a in inputs[n_pos:]), f"{schema}: keyword-only inputs must come last"
-    return OpBinding(fn=fn, input_types=tuple(str(a.type) for _, a in inputs),
+    return OpBinding(fn=fn, input_types=tuple(_type_name(a) for _, a in inputs),
                      input_positions=tuple(i for i, _ in inputs), n_positional=n_pos,
                      kwarg_names=tuple(a.name for _, a in inputs[n_pos:]),
                      out_positions=tuple(i for i, a in enumerate(args) if _is_out(a)),
@@ -90,14 +98,16 @@ def _torch_op(ns: str, name: str, overload: str):
 def functional_overload(op) -> Optional[tuple]:
     """The functional overload of an out variant and the extra keywords it needs: (overload, extras)."""
     ins = [(a.name, str(a.type)) for a in op._schema.arguments if not _is_out(a)]
+    names = {n for n, _ in ins}
     packet = getattr(getattr(torch.ops, op.namespace), op._schema.name.split("::")[1])
     for name in packet.overloads():
         cand = getattr(packet, name)
         fargs = cand._schema.arguments
         if any(_is_out(a) for a in fargs):
             continue
-        if [(a.name, str(a.type)) for a in fargs if a.name not in OUT_FILLED] == ins:
-            return cand, tuple(a.name for a in fargs if a.name in OUT_FILLED and (a.name, str(a.type)) not in ins)
+        extras = tuple(a.name for a in fargs if a.name in OUT_FILLED and a.name not in names)
+        if [(a.name, str(a.type)) for a in fargs if a.name not in extras] == ins:
+            return cand, extras
     return None
 
 
@@ -159,7 +169,7 @@ def _special_ops(copy: bool) -> dict[str, tuple[str, Callable, tuple[str, ...]]]
 
 def _view_fn(copy_name: str, functional) -> Optional[Callable]:
     """The torch view op with the functional `*_copy` op's signature."""
-    if copy_name == "view_copy":  # a view of a non-contiguous view may need a copy: reshape decides
+    if copy_name == "view_copy" and functional._overloadname == "default":  # reshape: views when it can
         return lambda x, size: x.reshape(size)
     view = _torch_op("aten", VIEW_COPY[copy_name], functional._overloadname)
     if view is None:
@@ -189,22 +199,45 @@ def resolve(qualified: str, overload: str, views_as_copies: bool) -> Optional[Op
     if op is None:
         return None
     is_out_variant = any(_is_out(a) for a in op._schema.arguments)
-    functional, extras = functional_overload(op) if is_out_variant else (op, ())
-    if functional is None:
+    found = functional_overload(op) if is_out_variant else (op, ())
+    if found is None:
         return None
+    functional, extras = found
     fn = functional
     if name in VIEW_COPY and not views_as_copies:
         fn = _view_fn(name, functional)
         if fn is None:
             return None
-        return _binding(op._schema, fn, None if name == "view_copy" else fn._schema)
+        return _binding(op._schema, fn, getattr(fn, "_schema", None))
     fill = tuple(e for e in extras if e in ("dtype", "device"))
     return _binding(op._schema, fn, functional._schema, out_kwargs=fill)
 
 
-# -- steps: one instruction over the values table `v` (a list), with everything precomputed --------
+# -- steps: one instruction over the values table `v` (a list), everything precomputed at load --------
 
 Target = tuple[int, Optional[int], Optional[int]]  # (value index, result component or None, list item or None)
+
+
+@dataclass
+class Step:
+    run: Callable[[list], Optional[int]]  # returns a step index only for a taken jump
+    inputs: tuple[int, ...]  # value indices read
+    outputs: tuple[int, ...]  # value indices written
+    foldable: bool  # pure: may be evaluated once at load when its inputs are known then
+
+
+def fold(steps: list[Step], template: list, dynamic: set[int]) -> tuple[list[Step], int]:
+    """Evaluate, once and into `template`, every step whose inputs are all known at load (straight-line code)."""
+    known = {i for i in range(len(template)) if i not in dynamic}
+    kept: list[Step] = []
+    for s in steps:
+        if s.foldable and all(i in known for i in s.inputs):
+            s.run(template)
+            known.update(s.outputs)
+        else:
+            kept.append(s)
+            known.difference_update(s.outputs)
+    return kept, len(steps) - len(kept)
 
 
 def kernel_step(fn: Callable, arg_idx: tuple[int, ...], targets: tuple[Target, ...]) -> Callable[[list], None]:

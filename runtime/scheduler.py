@@ -56,6 +56,7 @@ class Chunk:
     start: int  # first position written
     length: int  # tokens written this step
     wants_logits: bool  # the chunk ends at the last known token: sample the next one
+    width: int = 1  # rows reserved in the step: decode chunks may add drafts up to this (DFlash)
 
 
 @dataclass
@@ -119,8 +120,9 @@ class Scheduler:
         chunks: list[Chunk] = []
         for seq in self.running:
             if not seq.in_prefill and budget > 0:
-                chunks.append(Chunk(seq, seq.n_cached, 1, True))
-                budget -= min(decode_width, budget)
+                width = min(decode_width, budget)
+                chunks.append(Chunk(seq, seq.n_cached, 1, True, width))
+                budget -= width
         for seq in self.running:
             if seq.in_prefill and budget > 0:
                 remaining = len(seq.tokens) - seq.n_cached

@@ -14,6 +14,7 @@ from .engine import Engine, EngineStats
 from .requests_io import BadRequest, Defaults, read_jsonl, result_record
 from .sampling import SamplingParams
 from .scheduler import Request
+from .spec_decode import DFlashEngine, DFlashError
 from .tokenizer import TextCodec
 
 
@@ -61,7 +62,8 @@ def _summary(layout: str, device: str, n: int, failed: int, stats: EngineStats, 
 
 
 def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path], max_new_tokens: int,
-          params: SamplingParams, device: str = "cpu", layout: Optional[str] = None):
+          params: SamplingParams, device: str = "cpu", layout: Optional[str] = None, dflash: bool = True,
+          draft_block: Optional[int] = None):
     try:
         artifact = load_artifact(artifact_dir, device=device, layout=layout)
     except ArtifactError as e:
@@ -86,7 +88,14 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
             raise ServeError(f"{input_path}: cannot read ({e.strerror})") from None
         except ValueError as e:
             raise ServeError(str(e)) from None
-    engine = Engine(artifact, device=device)
+    use_dflash = dflash and artifact.has_draft
+    if draft_block is not None and not artifact.has_draft:
+        raise ServeError(f"--draft-block was given, but {artifact_dir} has no drafter")
+    try:
+        engine = (DFlashEngine(artifact, device=device, draft_block=draft_block) if use_dflash
+                  else Engine(artifact, device=device))
+    except DFlashError as e:
+        raise ServeError(str(e)) from None
     results = {r.id: r for r in engine.run([i for i in items if isinstance(i, Request)])}
     records = []
     for item in items:
@@ -96,4 +105,4 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
             r = results[item.id]
             records.append(result_record(r.id, r.tokens, r.finish_reason, r.error, codec))
     failed = sum("error" in r for r in records)
-    return records, _summary(artifact.layout, device, len(records), failed, engine.stats, dflash=False)
+    return records, _summary(artifact.layout, device, len(records), failed, engine.stats, use_dflash)

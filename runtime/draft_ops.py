@@ -1,0 +1,34 @@
+"""The drafter's `mg::` ops served by the draft cache.
+
+`mg::draft_append(k, v, positions, seq_slots, layer_id)` writes committed
+context rows; `mg::draft_attend(q, k, v, positions, seq_slots, layer_id,
+scale)` attends a block [B, T] non-causally over its sequence's cached context
+(positions before the anchor, positions[:, 0]) plus the block's own K/V.
+Knows the cache protocol and the reference kernels; nothing about models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mg.kernels.draft_attention_ref import draft_attend_ref, draft_context_span
+
+from .cache_base import KVCache
+
+
+class DraftOps:
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.windows = [layer.window for layer in cache.spec.layers]
+
+    def append(self, k, v, positions, seq_slots, layer_id: int) -> torch.Tensor:
+        self.cache.write(k, v, positions, seq_slots, layer_id)
+        return k
+
+    def attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
+        window = self.windows[layer_id]
+        span = self.cache.max_span(layer_id)
+        span = min(window, span) if window else span
+        key_pos, valid = draft_context_span(positions[:, 0], window, span)
+        ctx_k, ctx_v = self.cache.gather(layer_id, key_pos, seq_slots)
+        return draft_attend_ref(q, k, v, ctx_k, ctx_v, valid, scale)

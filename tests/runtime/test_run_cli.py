@@ -1,0 +1,130 @@
+"""`mg-run`: serves prompts and JSONL; bad input is one clear line (or one error record), never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from mg.manifests import constants as C
+from mg.runtime.cli import main
+
+
+def _run(args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("mg-run: error:")]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+@pytest.fixture()
+def artifact_copy(tmp_path, tiny_seq_artifact):
+    dst = tmp_path / "art"
+    shutil.copytree(tiny_seq_artifact, dst)
+    return dst
+
+
+def _write_jsonl(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def test_prompts_and_jsonl_are_served_with_a_summary(tmp_path, tiny_seq_artifact):
+    reqs = _write_jsonl(tmp_path / "in.jsonl", [{"id": "t", "tokens": [1, 5, 6]},
+                                                {"id": "p", "prompt": "def f(x):", "max_new_tokens": 3}])
+    out = tmp_path / "out.jsonl"
+    code, stdout, stderr = _run([tiny_seq_artifact, "--prompt", "hello", "--input", reqs, "--max-new-tokens", "4",
+                                 "--output", out, "--stats-json", tmp_path / "stats.json"])
+    assert code == 0, stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["prompt-0", "t", "p"]
+    assert all(r["finish_reason"] in ("length", "eos") and "text" in r for r in records)
+    assert len(records[2]["tokens"]) <= 3
+    assert "kBatchedSequence" in stderr and "tokens/s" in stderr
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["requests"] == 3 and stats["layout"] == "sequence"
+
+
+def test_no_requests_prints_usage(tiny_seq_artifact):
+    code, _, stderr = _run([tiny_seq_artifact])
+    assert code == 2 and "Usage:" in stderr and "nothing to do" in _error_line(stderr)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--temperature", "-1"], "--temperature=-1.0 is invalid"),
+    (["--top-p", "1.5"], "--top-p=1.5 is invalid"),
+    (["--top-k", "-2"], "--top-k=-2 is invalid"),
+    (["--max-new-tokens", "0"], "--max-new-tokens is 0"),
+    (["--device", "tpu"], "--device is 'tpu'"),
+])
+def test_invalid_flags_are_one_line(tiny_seq_artifact, flags, needle):
+    code, _, stderr = _run([tiny_seq_artifact, "--prompt", "x"] + flags)
+    assert code == 2 and needle in _error_line(stderr)
+
+
+def test_other_layout_at_run_time_is_refused(tiny_seq_artifact):
+    code, _, stderr = _run([tiny_seq_artifact, "--prompt", "x", "--kv-layout", "cell"])
+    assert code == 2 and "fixed at export" in _error_line(stderr)
+
+
+def test_missing_program_is_refused(artifact_copy):
+    (artifact_copy / C.PROGRAM_FILE).unlink()
+    code, _, stderr = _run([artifact_copy, "--prompt", "x"])
+    assert code == 2 and "model.pte: file not found" in _error_line(stderr)
+
+
+def test_corrupt_program_is_refused(artifact_copy):
+    pte = artifact_copy / C.PROGRAM_FILE
+    pte.write_bytes(pte.read_bytes()[: pte.stat().st_size // 3])
+    code, _, stderr = _run([artifact_copy, "--prompt", "x"])
+    assert code == 2 and "model.pte" in _error_line(stderr)
+
+
+def test_corrupt_program_with_matching_manifest_is_refused_by_the_loader(artifact_copy):
+    import hashlib
+
+    pte = artifact_copy / C.PROGRAM_FILE
+    data = b"\x00" * 64 + pte.read_bytes()[64:1000]
+    pte.write_bytes(data)
+    m = json.loads((artifact_copy / C.MANIFEST_FILE).read_text())
+    for f in m["files"]:
+        if f["name"] == C.PROGRAM_FILE:
+            f["size"], f["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (artifact_copy / C.MANIFEST_FILE).write_text(json.dumps(m))
+    code, _, stderr = _run([artifact_copy, "--prompt", "x"])
+    assert code == 2 and "model.pte" in _error_line(stderr)
+
+
+def test_manifest_disagreeing_with_the_program_is_refused_naming_both_values(artifact_copy):
+    m = json.loads((artifact_copy / C.MANIFEST_FILE).read_text())
+    m["kv"]["max_seqs"] = 5
+    (artifact_copy / C.MANIFEST_FILE).write_text(json.dumps(m))
+    code, _, stderr = _run([artifact_copy, "--prompt", "x"])
+    line = _error_line(stderr)
+    assert code == 2 and "get_offgraph_kv_max_seqs" in line and "returns 3" in line and "says 5" in line
+
+
+def test_bad_requests_fail_alone_while_others_complete(tmp_path, tiny_seq_artifact):
+    reqs = _write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "good", "tokens": [1, 5, 6]},
+        "{this is not json",
+        {"id": "vocab", "tokens": [1, 100000]},
+        {"id": "long", "tokens": [5] * 200},
+        {"id": "temp", "tokens": [1, 5], "temperature": -1},
+        {"id": "good2", "prompt": "abc"},
+    ])
+    code, stdout, stderr = _run([tiny_seq_artifact, "--input", reqs, "--max-new-tokens", "3"])
+    records = {r["id"]: r for r in map(json.loads, stdout.splitlines())}
+    assert code == 1 and "Traceback" not in stderr
+    assert records["good"]["finish_reason"] and records["good2"]["finish_reason"]
+    assert "not valid JSON" in records["line 2"]["error"]
+    assert "outside the vocabulary" in records["vocab"]["error"]
+    assert "exceeds the artifact's context capacity" in records["long"]["error"]
+    assert "temperature" in records["temp"]["error"]
