@@ -19,11 +19,14 @@ def tiny_model(tiny_cfg):
     return init_random(MuseGlimmer(tiny_cfg), 0).eval()
 
 
-def _export(out, **kw):
-    from mg.export.artifact import ExportOptions, export_artifact, load_target
+def _export(out, draft=None, **kw):
+    from mg.export.artifact import PRESET_SEED, ExportOptions, export_artifact, load_target
+    from mg.export.draft_lower import load_draft
 
     opts = ExportOptions(output_dir=out, **kw)
-    export_artifact(opts, load_target(None, "tiny"), lambda msg: None)
+    target = load_target(None, "tiny")
+    drafter = load_draft(None, draft, target.cfg, PRESET_SEED) if draft else None
+    export_artifact(opts, target, lambda msg: None, drafter)
     return out
 
 
@@ -39,3 +42,17 @@ def tiny_cell_artifact(tmp_path_factory):
     """Tiny preset, cell layout, 256 cells, context 96, 24 tokens per step."""
     return _export(tmp_path_factory.mktemp("art") / "cell", layout="cell", max_cells=256, max_context=96,
                    max_write=24)
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash_seq_artifact(tmp_path_factory):
+    """Tiny target + tiny drafter (block 8), sequence layout, 3 sequences."""
+    return _export(tmp_path_factory.mktemp("art") / "dseq", layout="sequence", max_seqs=3, max_context=96,
+                   max_write=24, draft="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash_cell_artifact(tmp_path_factory):
+    """Tiny target + tiny drafter (block 8), cell layout, 256 cells."""
+    return _export(tmp_path_factory.mktemp("art") / "dcell", layout="cell", max_cells=256, max_context=96,
+                   max_write=24, draft="tiny")
