@@ -16,7 +16,6 @@ saying `reason` once.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 
@@ -39,8 +38,8 @@ def _patch_interpreter_for_numpy_2_4() -> None:
     Apply the upstream one-line fix, interpreter mode only."""
     from triton.runtime import interpreter
 
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "mg_numpy_2_4_fix", False):
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "mg_numpy_2_4_fix", False):
         return
 
     def patched(tensor, scope):
@@ -51,11 +50,12 @@ def _patch_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 reason: str = _why_unavailable()  # "" when the Triton kernels can run here
 if not reason:
     from . import triton_attention_jit as _jit
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRETING:
         _patch_interpreter_for_numpy_2_4()
 
 
@@ -65,8 +65,9 @@ def available() -> bool:
 
 
 LOG2E = 1.4426950408889634
-MIN_KEYS_PER_SPLIT = 256   # a split reads at least this many keys of the static span
+MIN_KEYS_PER_SPLIT = 256   # split-K never cuts the static span below this many keys per split
 MAX_SPLITS = 64
+TARGET_WAVES = 4           # split-K aims at this many programs per SM (decode is latency- and memory-bound)
 PREFILL_ROWS = 64          # tile rows (queries x group heads) of a prefill program
 _INTERPRETER_SMS = 132     # H200's count, so the interpreter exercises the same split policy
 
@@ -75,13 +76,48 @@ _INTERPRETER_SMS = 132     # H200's count, so the interpreter exercises the same
 class LaunchPlan:
     """Static tiling of one attention launch; depends only on shapes and static arguments."""
 
-    block_q: int      # queries per program (1 = decode)
-    gp: int           # group heads per query in the tile, a power of two (rows = block_q * gp >= 16)
+    block_q: int      # queries per program: 1 = decode tiling, a power of two
+    gp: int           # tile rows per query (group heads padded to a power of two; block_q * gp >= 16)
     block_n: int      # keys per tile
     block_d: int      # head_dim padded to a power of two >= 16
-    num_splits: int   # split-K programs per (query block, KV head)
+    num_splits: int   # split-K programs per (query block, KV head); > 1 adds the combine kernel
     num_warps: int
     num_stages: int
+
+
+def plan_attention(n_queries: int, n_slots: int, n_q_heads: int, n_kv_heads: int, head_dim: int, span: int,
+                   dtype: torch.dtype, sms: int, block_q: int | None = None,
+                   num_splits: int | None = None) -> LaunchPlan:
+    """Pick tiles and the split count from shapes only (never from positions).
+
+    Decode tiling (the default when n_queries <= n_slots, i.e. at most one query per
+    sequence is possible) puts one query per program, its group heads padded to 16 tile
+    rows for `tl.dot`. Prefill tiling packs `PREFILL_ROWS // group` consecutive queries
+    per program so one K/V tile serves all queries of a sequence in the block. Callers
+    that know better (a decode step padded to a graph bucket with scratch rows) pass
+    `block_q=1`. Split-K aims at `TARGET_WAVES` programs per SM, with at least
+    `MIN_KEYS_PER_SPLIT` keys of the static span per split and at most `MAX_SPLITS`.
+    """
+    group = n_q_heads // n_kv_heads
+    gp_pow = _next_pow2(group)
+    if block_q is None:  # fp32 dots run on FMA units: keep its prefill tiles at 16 rows (no spills)
+        rows = 16 if dtype == torch.float32 else PREFILL_ROWS
+        block_q = 1 if n_queries <= n_slots else max(1, rows // gp_pow)
+    _require(block_q >= 1 and block_q & (block_q - 1) == 0, f"block_q must be a power of two, got {block_q}")
+    gp = max(gp_pow, _next_pow2(_cdiv(16, block_q)))
+    block_d = max(16, _next_pow2(head_dim))
+    block_n = 32 if dtype == torch.float32 or block_d > 128 else 64
+    if num_splits is None:
+        programs = _cdiv(n_queries, block_q) * n_kv_heads
+        by_span = max(1, _cdiv(span, MIN_KEYS_PER_SPLIT))
+        num_splits = max(1, min(_cdiv(TARGET_WAVES * sms, programs), by_span, MAX_SPLITS))
+    _require(1 <= num_splits, f"num_splits must be >= 1, got {num_splits}")
+    # sm_90 compile (ptxas) of these defaults: decode bf16 D=128 ~100 registers, 70 KB smem, K/V
+    # loads pipelined (cp.async, 3 stages) for both layouts; prefill (wgmma, 64 rows) needs 8 warps
+    # to stay off the 255-register cap; fp32 (FMA dots) spills with 4 warps.
+    wide = dtype == torch.float32 or block_q > 1
+    return LaunchPlan(block_q=block_q, gp=gp, block_n=block_n, block_d=block_d, num_splits=num_splits,
+                      num_warps=8 if wide else 4, num_stages=3 if block_q == 1 else 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,41 +125,19 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _device_sms(device: torch.device) -> int:
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (the H200's 132 for the interpreter on CPU)."""
     if device.type != "cuda":
         return _INTERPRETER_SMS
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def plan_attention(n_queries: int, n_slots: int, n_q_heads: int, n_kv_heads: int, head_dim: int, span: int,
-                   dtype: torch.dtype, sms: int, block_q: int | None = None,
-                   num_splits: int | None = None) -> LaunchPlan:
-    """Pick tiles and the split count from shapes only.
-
-    Decode (at most one query per sequence is possible: n_queries <= n_slots) uses one
-    query per program with its group heads padded to 16 rows for `tl.dot`; prefill
-    packs `PREFILL_ROWS // group` consecutive queries per program so a sequence's K/V
-    tile serves all of them. Split-K targets two waves of programs, never cutting the
-    static span below `MIN_KEYS_PER_SPLIT` keys per split.
-    """
-    group = n_q_heads // n_kv_heads
-    gp_pow = _next_pow2(group)
-    if block_q is None:
-        block_q = 1 if n_queries <= n_slots else max(1, PREFILL_ROWS // gp_pow)
-    gp = max(gp_pow, _next_pow2(max(1, 16 // block_q)))
-    block_d = max(16, _next_pow2(head_dim))
-    wide = dtype == torch.float32 or block_d > 128
-    block_n = 32 if wide else 64
-    if num_splits is None:
-        programs = math.ceil(n_queries / block_q) * n_kv_heads
-        by_span = max(1, math.ceil(span / MIN_KEYS_PER_SPLIT))
-        num_splits = max(1, min(math.ceil(2 * sms / programs), by_span, MAX_SPLITS))
-    return LaunchPlan(block_q=block_q, gp=gp, block_n=block_n, block_d=block_d, num_splits=num_splits,
-                      num_warps=4, num_stages=2)
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -158,19 +172,23 @@ def _span(window: int, rows: int) -> int:
 def _launch_attention(q, k, v, positions, seq_slots, table, rows: int, span: int, n_slots: int, scale: float,
                       k_strides: tuple[int, int, int], v_strides: tuple[int, int, int],
                       table_strides: tuple[int, int], is_cell: bool, block_q: int | None,
-                      num_splits: int | None) -> torch.Tensor:
+                      num_splits: int | None, plan: LaunchPlan | None) -> torch.Tensor:
     n, hq, d = q.shape
     hkv = k.shape[-2]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if n == 0:
         return out
-    plan = plan_attention(n, n_slots, hq, hkv, d, span, q.dtype, _device_sms(q.device), block_q, num_splits)
+    if plan is None:
+        plan = plan_attention(n, n_slots, hq, hkv, d, span, q.dtype, device_sms(q.device), block_q, num_splits)
+    _require(plan.block_q * plan.gp >= 16 and plan.gp >= hq // hkv and plan.block_d >= max(16, d)
+             and plan.block_n >= 16, f"plan {plan} does not fit group {hq // hkv}, head_dim {d}")
     if plan.num_splits > 1:
         part_o = torch.empty((n, hq, plan.num_splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((n, hq, plan.num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     grid = (_cdiv(n, plan.block_q), hkv, plan.num_splits)
+    upcast = _INTERPRETING and q.dtype != torch.float32
     _jit._attend_kernel[grid](
         q, k, v, out, part_o, part_lse, positions, seq_slots, table,
         n, hq, span, rows, scale * LOG2E,
@@ -178,7 +196,7 @@ def _launch_attention(q, k, v, positions, seq_slots, table, rows: int, span: int
         *k_strides, *v_strides, *table_strides,
         GROUP=hq // hkv, GP=plan.gp, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, HEAD_DIM=d,
         BLOCK_D=plan.block_d, NUM_SPLITS=plan.num_splits, IS_CELL=is_cell,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:
@@ -191,18 +209,14 @@ def _launch_attention(q, k, v, positions, seq_slots, table, rows: int, span: int
     return out
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def attend_columns_triton(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, positions: torch.Tensor,
                           seq_slots: torch.Tensor, window: int, scale: float, *, block_q: int | None = None,
-                          num_splits: int | None = None) -> torch.Tensor:
+                          num_splits: int | None = None, plan: LaunchPlan | None = None) -> torch.Tensor:
     """kBatchedSequence read side; same contract as `attend_columns_ref`.
 
     q [N, Hq, D]; k_store/v_store [slots, rows, Hkv, D] (position p at row p % rows);
     positions/seq_slots [N] int64 -> [N, Hq, D] in q's dtype. `block_q` / `num_splits`
-    override the plan (tests, tuning); by default they follow `plan_attention`.
+    override parts of the default `plan_attention`; `plan` replaces it (tuning).
     """
     _check_query_side(q, positions, seq_slots, k_store, "k_store")
     _require(k_store.dim() == 4 and k_store.shape == v_store.shape,
@@ -215,12 +229,13 @@ def attend_columns_triton(q: torch.Tensor, k_store: torch.Tensor, v_store: torch
     return _launch_attention(
         q, k_store, v_store, positions, seq_slots, positions, rows, span, k_store.shape[0], scale,
         (k_store.stride(0), k_store.stride(1), k_store.stride(2)),
-        (v_store.stride(0), v_store.stride(1), v_store.stride(2)), (0, 0), False, block_q, num_splits)
+        (v_store.stride(0), v_store.stride(1), v_store.stride(2)), (0, 0), False, block_q, num_splits, plan)
 
 
 def attend_cells_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cell_table: torch.Tensor,
                         positions: torch.Tensor, seq_slots: torch.Tensor, window: int, scale: float, *,
-                        block_q: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                        block_q: int | None = None, num_splits: int | None = None,
+                        plan: LaunchPlan | None = None) -> torch.Tensor:
     """kBatchedCell read side; same contract as `attend_cells_ref`.
 
     q [N, Hq, D]; k_pool/v_pool [cells, Hkv, D]; cell_table [slots, capacity] int64
@@ -239,7 +254,7 @@ def attend_cells_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     return _launch_attention(
         q, k_pool, v_pool, positions, seq_slots, cell_table, capacity, span, cell_table.shape[0], scale,
         (0, k_pool.stride(0), k_pool.stride(1)), (0, v_pool.stride(0), v_pool.stride(1)),
-        (cell_table.stride(0), cell_table.stride(1)), True, block_q, num_splits)
+        (cell_table.stride(0), cell_table.stride(1)), True, block_q, num_splits, plan)
 
 
 def write_columns_ref(k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,

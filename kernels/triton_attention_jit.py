@@ -21,15 +21,20 @@ an address) and both phases (`BLOCK_Q` = 1 for decode, > 1 for prefill chunks):
   whole `BLOCK_N` tiles, sized on the device from the actual span; with
   `NUM_SPLITS` > 1 each split writes a normalised partial output and its log2-sum-exp,
   and `_combine_splits_kernel` merges them.
+- Cell layout: the cell ids of the next tile are loaded one iteration ahead, so the K/V
+  gathers do not depend on a load of their own iteration and the software pipeliner
+  multi-buffers them (checked by compiling for sm_90: same shared memory as columns).
 - Online softmax in fp32, exp2 domain; P is cast to the K/V dtype for the PV product
-  (fp32 inputs use IEEE dots, never TF32).
+  (fp32 inputs use IEEE dots, never TF32). `UPCAST_DOT` is for the Triton interpreter
+  only, whose `tl.dot` multiplies bf16 bit patterns as integers (triton 3.6): it feeds
+  the dots the same bf16 values widened to fp32, which is what the MMA computes.
 """
 
 import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_queries", "span", "rows"])  # no recompiles as batches and columns change
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, pos_ptr, slot_ptr, table_ptr,
     n_queries, n_q_heads, span, rows, scale_log2,
@@ -38,87 +43,129 @@ def _attend_kernel(
     stride_ts, stride_tc,
     GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_CELL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
+    """Grid (cdiv(N, BLOCK_Q), Hkv, NUM_SPLITS). Rows of the tile: (query, group head) pairs."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    q_local = offs_m // GP                      # [BLOCK_M] query index inside the block
-    g = offs_m % GP                             # [BLOCK_M] query head inside the group
-    q_idx = pid_q * BLOCK_Q + q_local           # [BLOCK_M] query index in the batch
+    q_local = offs_m // GP                       # [BLOCK_M] query index inside the block
+    g = offs_m % GP                              # [BLOCK_M] query head inside the group
+    q_idx = pid_q * BLOCK_Q + q_local            # [BLOCK_M] query index in the batch
     q_in = q_idx < n_queries
     row_ok = q_in & (g < GROUP)
     q_head = kv_head * GROUP + g
     q_row = q_idx.to(tl.int64)
-
     q = tl.load(q_ptr + q_row[:, None] * stride_qn + q_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    row_pos = tl.load(pos_ptr + q_idx, mask=q_in, other=0)                  # [BLOCK_M] int64
-    row_slot = tl.load(slot_ptr + q_idx, mask=q_in, other=-1)              # [BLOCK_M] int64
+                mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    # Positions as int32 (masks are cheaper); addresses are formed in int64.
+    row_pos = tl.load(pos_ptr + q_idx, mask=q_in, other=0).to(tl.int32)     # [BLOCK_M]
+    row_slot = tl.load(slot_ptr + q_idx, mask=q_in, other=-1)               # [BLOCK_M] int64
     row_lo = tl.maximum(row_pos - span + 1, 0)                               # first visible key
 
     for j in range(0, BLOCK_Q):
         qn = pid_q * BLOCK_Q + j
         if qn < n_queries:
             slot = tl.load(slot_ptr + qn)
-            earlier = tl.sum(((row_slot == slot) & (q_local < j) & q_in).to(tl.int32), axis=0)
-            if earlier == 0:  # first query of this slot in the block: one pass for all its queries
+            if BLOCK_Q == 1:  # decode: one query, one pass
+                first = qn >= 0
+                live = row_ok
+                hi = tl.load(pos_ptr + qn).to(tl.int32) + 1
+                lo = tl.maximum(hi - span, 0)
+            else:  # one pass per distinct slot (its first query in the block), over the union of spans
+                first = tl.sum(((row_slot == slot) & (q_local < j) & q_in).to(tl.int32), axis=0) == 0
                 live = row_ok & (row_slot == slot)
-                pos_j = tl.load(pos_ptr + qn)
-                lo = tl.min(tl.where(live, row_lo, tl.maximum(pos_j - span + 1, 0)), axis=0)
+                lo = tl.min(tl.where(live, row_lo, 2147483647), axis=0)
                 hi = tl.max(tl.where(live, row_pos + 1, 0), axis=0)
-                per_split = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-                k_start = (lo + split * per_split).to(tl.int32)
-                k_end = tl.minimum(hi, lo + (split + 1) * per_split).to(tl.int32)
+            if first:
+                # Split-K: whole tiles of this pass's actual key range per split (some may be empty).
+                per_split = ((hi - lo + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+                k_start = lo + split * per_split
+                k_end = tl.minimum(hi, k_start + per_split)
+                acc, m_i, l_i = _attend_keys(
+                    q, k_ptr, v_ptr, table_ptr, slot, kv_head, live, row_lo, row_pos, k_start, k_end, rows,
+                    scale_log2, stride_ks, stride_kr, stride_kh, stride_vs, stride_vr, stride_vh, stride_ts,
+                    stride_tc, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, IS_CELL, DOT_PRECISION, UPCAST_DOT)
+                _store_rows(acc, m_i, l_i, live, q_row, q_head, split, out_ptr, part_o_ptr, part_lse_ptr,
+                            n_q_heads, stride_on, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS)
 
-                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_M], tl.float32)
-                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                for start in range(k_start, k_end, BLOCK_N):
-                    k_pos = (start + offs_n).to(tl.int64)
-                    k_ok = k_pos < k_end
-                    if IS_CELL:  # the sequence's cell list: position -> cell
-                        cell = tl.load(table_ptr + slot * stride_ts + k_pos * stride_tc, mask=k_ok, other=0)
-                        k_off = cell.to(tl.int64) * stride_kr
-                        v_off = cell.to(tl.int64) * stride_vr
-                    else:  # the sequence's column: position -> row p % rows
-                        row = k_pos % rows
-                        k_off = slot * stride_ks + row * stride_kr
-                        v_off = slot * stride_vs + row * stride_vr
-                    kv_mask = k_ok[:, None] & d_ok[None, :]
-                    k = tl.load(k_ptr + k_off[:, None] + kv_head * stride_kh + offs_d[None, :], mask=kv_mask,
-                                other=0.0)
-                    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-                    visible = (live[:, None] & k_ok[None, :] & (k_pos[None, :] >= row_lo[:, None])
-                               & (k_pos[None, :] <= row_pos[:, None]))
-                    s = tl.where(visible, s, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp2(s - m_safe[:, None])
-                    alpha = tl.exp2(m_i - m_safe)
-                    l_i = l_i * alpha + tl.sum(p, axis=1)
-                    v = tl.load(v_ptr + v_off[:, None] + kv_head * stride_vh + offs_d[None, :], mask=kv_mask,
-                                other=0.0)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                    m_i = m_new
 
-                has_keys = l_i > 0.0
-                o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-                if NUM_SPLITS == 1:
-                    o_ptrs = out_ptr + q_row[:, None] * stride_on + q_head[:, None] * stride_oh + offs_d[None, :]
-                    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
-                else:
-                    part = (q_row * n_q_heads + q_head) * NUM_SPLITS + split          # [BLOCK_M] int64
-                    tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                             mask=live[:, None] & d_ok[None, :])
-                    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-                    tl.store(part_lse_ptr + part, lse, mask=live)
+@triton.jit
+def _attend_keys(q, k_ptr, v_ptr, table_ptr, slot, kv_head, live, row_lo, row_pos, k_start, k_end, rows, scale_log2,
+                 stride_ks, stride_kr, stride_kh, stride_vs, stride_vr, stride_vh, stride_ts, stride_tc,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 IS_CELL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Online softmax of the live rows over keys [k_start, k_end) of `slot` -> (acc, m, l), unnormalised, log2."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = table_ptr + slot * stride_ts
+    next_cell = tl.zeros([BLOCK_N], tl.int64)
+    if IS_CELL:  # cell ids run one tile ahead of the K/V loads that need them
+        next_cell = tl.load(table_row + (k_start + offs_n).to(tl.int64) * stride_tc, mask=k_start + offs_n < k_end,
+                            other=0).to(tl.int64)
+    for start in range(k_start, k_end, BLOCK_N):
+        k_pos = start + offs_n                                              # [BLOCK_N] int32
+        k_ok = k_pos < k_end
+        if IS_CELL:  # the sequence's cell list: position -> cell
+            cell = next_cell
+            nxt = k_pos + BLOCK_N
+            next_cell = tl.load(table_row + nxt.to(tl.int64) * stride_tc, mask=nxt < k_end, other=0).to(tl.int64)
+            k_off = cell * stride_kr
+            v_off = cell * stride_vr
+        else:  # the sequence's column: position p -> row p % rows
+            row = (k_pos % rows).to(tl.int64)
+            k_off = slot * stride_ks + row * stride_kr
+            v_off = slot * stride_vs + row * stride_vr
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + k_off[:, None] + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST_DOT:  # bf16 operands, exact products, fp32 sums: what the MMA does
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = (live[:, None] & k_ok[None, :] & (k_pos[None, :] >= row_lo[:, None])
+                   & (k_pos[None, :] <= row_pos[:, None]))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                # rows with nothing visible yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_mma = p.to(v.dtype)
+        if UPCAST_DOT:
+            p_mma = p_mma.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_mma, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, live, q_row, q_head, split, out_ptr, part_o_ptr, part_lse_ptr, n_q_heads,
+                stride_on, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Normalise the live rows; write the output, or with splits the partial output and its log2-sum-exp."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = live[:, None] & (offs_d < HEAD_DIM)[None, :]
+    has_keys = l_i > 0.0                                                    # empty splits: o = 0, lse = -inf
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + q_row[:, None] * stride_on + q_head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (q_row * n_q_heads + q_head) * NUM_SPLITS + split            # [BLOCK_M] int64
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=live)
 
 
 @triton.jit
