@@ -6,7 +6,6 @@ methods, so the two cannot drift. Knows nothing about the runtime.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import shutil
 import tempfile
@@ -18,9 +17,11 @@ from typing import Callable, Optional
 import torch
 
 from mg.manifests import (
-    FileEntry, KVLayer, KVSpec, Manifest, MethodSpec, ModelFacts, Provenance, TensorSpec, constants as C,
+    KVLayer, KVSpec, Manifest, MethodSpec, ModelFacts, Provenance, TensorSpec, constants as C,
     write_manifest,
 )
+
+from mg.manifests.values import file_entry
 
 from .checkpoint import load_config, load_state
 from .config import PRESETS, MuseGlimmerConfig
@@ -133,14 +134,6 @@ def constant_method_specs(constants: dict) -> tuple[MethodSpec, ...]:
     return tuple(specs)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -195,7 +188,7 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
                              bos_id=cfg.bos_id, eos_ids=tuple(cfg.eos_ids), dtype=dtype),
             kv=kv, draft=draft_facts(draft.cfg, draft_kv) if draft is not None else None,
             methods=specs + constant_method_specs(constants),
-            files=tuple(FileEntry(f, (tmp / f).stat().st_size, _sha256(tmp / f)) for f in files),
+            files=tuple(file_entry(tmp / f) for f in files),
             provenance=Provenance(tool_version=_version("mg-toolchain"), torch_version=torch.__version__,
                                   executorch_version=_version("executorch")),
         )

@@ -22,6 +22,7 @@ from torch import nn
 from torch.export import Dim
 
 import mg.kernels  # noqa: F401  (registers mg:: ops)
+from mg.manifests.values import draft_constant_values
 from mg.manifests import DraftFacts, KVLayer, KVSpec, MethodSpec, TensorSpec, constants as C
 
 from .checkpoint import load_config, load_state
@@ -79,13 +80,7 @@ def draft_kv_spec(dcfg: DFlashConfig, target_kv: KVSpec) -> KVSpec:
 
 
 def draft_constants(dcfg: DFlashConfig, draft_kv: KVSpec) -> dict:
-    return {
-        C.GET_DRAFT_OFFGRAPH_KV_MAX_SEQS: draft_max_seqs(draft_kv),
-        C.GET_DRAFT_OFFGRAPH_KV_SEQ_CAPACITY: draft_kv.capacity,
-        C.GET_BLOCK_SIZE: dcfg.block_size,
-        C.GET_MASK_TOKEN_ID: dcfg.mask_token_id,
-        C.GET_N_TARGET_LAYERS: len(dcfg.target_layers),
-    }
+    return draft_constant_values(draft_facts(dcfg, draft_kv))
 
 
 def draft_facts(dcfg: DFlashConfig, draft_kv: KVSpec) -> DraftFacts:

@@ -16,6 +16,7 @@ from torch.export import Dim
 
 import mg.kernels  # noqa: F401  (registers mg:: ops)
 from mg.manifests import KVSpec, constants as C
+from mg.manifests.values import target_constant_values
 
 from .config import MuseGlimmerConfig
 from .model import MuseGlimmer
@@ -59,20 +60,8 @@ def export_target(model: MuseGlimmer, max_write: int, taps: tuple[int, ...] = ()
 
 
 def target_constants(cfg: MuseGlimmerConfig, kv: KVSpec) -> dict:
-    consts = {
-        C.GET_MAX_CONTEXT_LEN: kv.capacity,
-        C.GET_MAX_WRITE: kv.max_write,
-        C.GET_VOCAB_SIZE: cfg.vocab_size,
-        C.GET_N_LAYERS: cfg.n_layers,
-        C.GET_KV_HEADS: [layer.n_kv_heads for layer in kv.layers],
-        C.GET_HEAD_DIMS: [layer.head_dim for layer in kv.layers],
-        C.GET_WINDOWS: [layer.window for layer in kv.layers],
-    }
-    if kv.layout == C.LAYOUT_SEQUENCE:
-        consts[C.GET_OFFGRAPH_KV_MAX_SEQS] = kv.max_seqs
-    else:
-        consts[C.GET_OFFGRAPH_KV_MAX_CELLS] = kv.max_cells
-    return consts
+    """The target's constant methods (the values the runtime will expect from the manifest)."""
+    return target_constant_values(cfg.vocab_size, cfg.n_layers, kv)
 
 
 def to_program(parts: ProgramParts, progress: Optional[Progress] = None) -> bytes:

@@ -9,7 +9,6 @@ what the program publishes: kBatchedSequence when it declares
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -18,6 +17,7 @@ import torch
 
 import mg.kernels  # noqa: F401  (registers the mg:: op schemas the program names)
 from mg.manifests import Manifest, ManifestError, constants as C, read_manifest
+from mg.manifests.values import draft_constant_values, sha256_file, target_constant_values
 
 from .program import Program, ProgramError
 
@@ -41,14 +41,6 @@ class Artifact:
         return self.manifest.draft is not None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_files(directory: Path, manifest: Manifest) -> None:
     for entry in manifest.files:
         path = directory / entry.name
@@ -57,34 +49,16 @@ def _check_files(directory: Path, manifest: Manifest) -> None:
         size = path.stat().st_size
         if size != entry.size:
             raise ArtifactError(f"{path}: size is {size} bytes; {C.MANIFEST_FILE} says {entry.size}")
-        digest = _sha256(path)
+        digest = sha256_file(path)
         if digest != entry.sha256:
             raise ArtifactError(f"{path}: sha256 is {digest[:16]}...; {C.MANIFEST_FILE} says {entry.sha256[:16]}...")
 
 
 def expected_constants(manifest: Manifest) -> dict[str, object]:
     """What each constant method must return, from the manifest."""
-    kv = manifest.kv
-    expect: dict[str, object] = {
-        C.GET_MAX_CONTEXT_LEN: kv.capacity,
-        C.GET_MAX_WRITE: kv.max_write,
-        C.GET_VOCAB_SIZE: manifest.model.vocab_size,
-        C.GET_N_LAYERS: manifest.model.n_layers,
-        C.GET_KV_HEADS: [layer.n_kv_heads for layer in kv.layers],
-        C.GET_HEAD_DIMS: [layer.head_dim for layer in kv.layers],
-        C.GET_WINDOWS: [layer.window for layer in kv.layers],
-    }
-    if kv.layout == C.LAYOUT_SEQUENCE:
-        expect[C.GET_OFFGRAPH_KV_MAX_SEQS] = kv.max_seqs
-    else:
-        expect[C.GET_OFFGRAPH_KV_MAX_CELLS] = kv.max_cells
+    expect = target_constant_values(manifest.model.vocab_size, manifest.model.n_layers, manifest.kv)
     if manifest.draft is not None:
-        d = manifest.draft
-        expect[C.GET_DRAFT_OFFGRAPH_KV_MAX_SEQS] = d.kv.max_active_seqs
-        expect[C.GET_DRAFT_OFFGRAPH_KV_SEQ_CAPACITY] = d.kv.capacity
-        expect[C.GET_BLOCK_SIZE] = d.block_size
-        expect[C.GET_MASK_TOKEN_ID] = d.mask_token_id
-        expect[C.GET_N_TARGET_LAYERS] = len(d.target_layers)
+        expect.update(draft_constant_values(manifest.draft))
     return expect
 
 
