@@ -32,6 +32,7 @@ from .tokenizer import N_IDS as BYTE_TOKENIZER_IDS, write_byte_tokenizer
 
 Progress = Callable[[str], None]
 PRESET_SEED = 0
+CHECKPOINTS_DIR = Path(__file__).resolve().parent / "checkpoints"
 
 
 class ExportError(ValueError):
@@ -57,6 +58,16 @@ class TargetSource:
     model: MuseGlimmer
     tokenizer: Optional[Path]  # tokenizer.json to copy into the artifact
     byte_tokenizer: bool = False  # no tokenizer.json: write the byte-level one (presets)
+
+
+def default_checkpoints() -> tuple[Path, Path]:
+    """The embedded default: a small MG target trained on Python source and its DFlash drafter."""
+    target, draft = CHECKPOINTS_DIR / "mg-tiny-code", CHECKPOINTS_DIR / "mg-tiny-code-draft"
+    for d in (target, draft):
+        if not (d / "model.safetensors").is_file():
+            raise ExportError(f"the embedded default checkpoint is missing {d / 'model.safetensors'}; "
+                              f"reinstall mg-toolchain or pass --checkpoint / --preset")
+    return target, draft
 
 
 def load_target(checkpoint: Optional[Path], preset: Optional[str]) -> TargetSource:

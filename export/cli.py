@@ -26,7 +26,8 @@ def _progress():
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
-              help="Native checkpoint directory (config.json + model.safetensors).")
+              help="Native checkpoint directory (config.json + model.safetensors) "
+                   "[default: the embedded mg-tiny-code model and its drafter].")
 @click.option("--preset", type=str, default=None,
               help=f"Random-weight configuration instead of a checkpoint: {' | '.join(PRESETS)}.")
 @click.option("--draft-checkpoint", type=click.Path(path_type=Path), default=None,
@@ -46,13 +47,13 @@ def _progress():
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
 def main(checkpoint, preset, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write, dtype, output_dir, force):
     """Export an MG model to an ExecuTorch program (model.pte) with manifest.json."""
-    from .artifact import PRESET_SEED, ExportError, ExportOptions, check_options, export_artifact, load_target
+    from .artifact import (PRESET_SEED, ExportError, ExportOptions, check_options, default_checkpoints,
+                           export_artifact, load_target)
     from .draft_lower import load_draft
 
     if checkpoint is not None and preset is not None:
         _die("--checkpoint and --preset are exclusive; give one")
-    if checkpoint is None and preset is None:
-        preset = "tiny"
+    embedded = checkpoint is None and preset is None
     if draft_checkpoint is not None and draft_preset is not None:
         _die("--draft-checkpoint and --draft-preset are exclusive; give one")
     if draft_preset is not None and draft_preset not in DRAFT_PRESETS:
@@ -68,6 +69,10 @@ def main(checkpoint, preset, draft_checkpoint, draft_preset, layout, max_seqs, m
     say = _progress()
     try:
         check_options(opts)
+        if embedded:  # the embedded default: trained target + drafter, unless a drafter was named
+            checkpoint, default_draft = default_checkpoints()
+            if draft_checkpoint is None and draft_preset is None:
+                draft_checkpoint = default_draft
         say(f"loading {'checkpoint ' + str(checkpoint) if checkpoint else 'preset ' + preset}")
         target = load_target(checkpoint, preset)
         draft = None

@@ -1,0 +1,139 @@
+"""Evaluate DFlash on held-out prompts: losslessness, acceptance length, and speedup over target-only.
+
+For each KV layout: export the checkpoint pair (or reuse --artifact-dir), then run the prompts of
+`--prompts` (JSONL, one {"id", "prompt"} per line) greedily with target-only decoding and with DFlash,
+each prompt alone (per-prompt acceptance and time) and all together (throughput). Prints a Markdown table
+and writes JSON with the distribution per prompt and per block row.
+
+    python scripts/eval_dflash.py --out eval.json                      # the embedded default, on CPU
+    python scripts/eval_dflash.py --device cuda --out eval_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: int) -> Path:
+    from mg.export.artifact import PRESET_SEED, ExportOptions, export_artifact, load_target
+    from mg.export.draft_lower import load_draft
+
+    target = load_target(checkpoint, None if checkpoint else "tiny")
+    draft = load_draft(draft_checkpoint, None if draft_checkpoint else "tiny", target.cfg, PRESET_SEED)
+    opts = ExportOptions(output_dir=out, layout=layout, max_seqs=8 if layout == "sequence" else None,
+                         max_cells=8 * max_context if layout == "cell" else None, max_context=max_context,
+                         max_write=128, force=True)
+    export_artifact(opts, target, lambda msg: print(f"  [export {layout}] {msg}", file=sys.stderr), draft)
+    return out
+
+
+def _run(artifact_dir: Path, reqs, dflash: bool, device: str):
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.engine import Engine
+    from mg.runtime.spec_decode import DFlashEngine
+
+    art = load_artifact(artifact_dir, device=device)
+    engine = DFlashEngine(art, device=device) if dflash else Engine(art, device=device)
+    t0 = time.perf_counter()
+    results = engine.run(reqs)
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return results, engine.stats, time.perf_counter() - t0
+
+
+def _requests(path: Path, artifact_dir: Path, max_new: int):
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.scheduler import Request
+    from mg.runtime.tokenizer import TextCodec
+
+    art = load_artifact(artifact_dir)
+    if art.tokenizer_path is None:
+        raise SystemExit(f"{artifact_dir} has no tokenizer.json; the held-out prompts are text")
+    codec = TextCodec(art.tokenizer_path, art.manifest.model.bos_id)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [Request(r["id"], tuple(codec.encode(r["prompt"])), max_new) for r in rows]
+
+
+def _row_acceptance(hist: list[int], block: int) -> list[float]:
+    """P(draft row i accepted) for i = 1..block-1, from the histogram of accepted drafts per round."""
+    rounds = sum(hist)
+    return [sum(hist[i:]) / rounds if rounds else 0.0 for i in range(1, block)]
+
+
+def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str) -> dict:
+    reqs = _requests(prompts, artifact_dir, max_new)
+    per_prompt = []
+    for req in reqs:
+        ar, ar_stats, ar_s = _run(artifact_dir, [req], False, device)
+        sd, sd_stats, sd_s = _run(artifact_dir, [req], True, device)
+        per_prompt.append({"id": req.id, "prompt_tokens": len(req.prompt), "generated": len(sd[0].tokens),
+                           "lossless": ar[0].tokens == sd[0].tokens,
+                           "acceptance_length": sd_stats.mean_acceptance_length,
+                           "target_only_s": ar_s, "dflash_s": sd_s, "speedup": ar_s / sd_s})
+    ar, ar_stats, ar_s = _run(artifact_dir, reqs, False, device)
+    sd, sd_stats, sd_s = _run(artifact_dir, reqs, True, device)
+    block = len(sd_stats.accepted_hist)
+    return {
+        "lossless_all": all(a.tokens == b.tokens for a, b in zip(ar, sd)) and all(p["lossless"] for p in per_prompt),
+        "batched": {"target_only_tokens_per_s": ar_stats.generated_tokens / ar_s,
+                    "dflash_tokens_per_s": sd_stats.generated_tokens / sd_s, "speedup": ar_s / sd_s,
+                    "mean_acceptance_length": sd_stats.mean_acceptance_length, "rounds": sd_stats.rounds},
+        "acceptance_hist": list(sd_stats.accepted_hist),
+        "row_acceptance": _row_acceptance(list(sd_stats.accepted_hist), block),
+        "per_prompt": per_prompt,
+    }
+
+
+def _table(results: dict) -> str:
+    lines = ["| layout | lossless | mean acceptance length | median per prompt | AR tok/s | DFlash tok/s | speedup |",
+             "|---|---|---|---|---|---|---|"]
+    for layout, r in results["layouts"].items():
+        b = r["batched"]
+        med = statistics.median(p["acceptance_length"] for p in r["per_prompt"])
+        lines.append(f"| {layout} | {r['lossless_all']} | {b['mean_acceptance_length']:.2f} | {med:.2f} | "
+                     f"{b['target_only_tokens_per_s']:.1f} | {b['dflash_tokens_per_s']:.1f} | {b['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=None, help="target checkpoint [default: embedded default]")
+    p.add_argument("--draft-checkpoint", type=Path, default=None)
+    p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
+    p.add_argument("--layouts", default="sequence,cell")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    if args.checkpoint is None:
+        from mg.export.artifact import default_checkpoints
+
+        args.checkpoint, args.draft_checkpoint = default_checkpoints()
+    results = {"device": args.device, "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens,
+               "layouts": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in args.layouts.split(","):
+            art = _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / layout, args.max_context)
+            results["layouts"][layout] = evaluate_layout(art, args.prompts, args.max_new_tokens, args.device)
+    table = _table(results)
+    print(table)
+    for layout, r in results["layouts"].items():
+        print(f"{layout}: P(row i accepted) = " + ", ".join(f"{x:.2f}" for x in r["row_acceptance"]))
+    results["table"] = table
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if all(r["lossless_all"] for r in results["layouts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
