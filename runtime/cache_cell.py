@@ -13,8 +13,11 @@ position takes a new cell for the writer only (copy-on-write of that position).
 Pools are allocated whole at construction (max_cells is the declared budget),
 so this layout never grows and storage_version stays 0.
 
-Knows storage, placement and the reference read side (mg.kernels); must not
-know models, programs, the scheduler or mg.export.
+The read side is the Triton kernel (`attend_cells_triton`) when `use_triton` (by
+default: on CUDA with Triton available), else the torch reference.
+
+Knows storage, placement and the read side (mg.kernels); must not know models,
+programs, the scheduler or mg.export.
 """
 
 from __future__ import annotations
@@ -24,21 +27,25 @@ from typing import Optional, Union
 
 import torch
 
+from mg.kernels import triton_attention
 from mg.kernels.attention_ref import attend_cells_ref
 from mg.manifests import KVSpec
 from mg.manifests.constants import LAYOUT_CELL, POLICY_RING
 
 from .cache_base import CacheError, KVCache, StepPlan
+from .cuda_graphs import triton_enabled
 
 
 class BatchedCellCache(KVCache):
     layout = LAYOUT_CELL
 
-    def __init__(self, spec: KVSpec, device: Union[str, torch.device], n_slots: Optional[int] = None):
+    def __init__(self, spec: KVSpec, device: Union[str, torch.device], n_slots: Optional[int] = None,
+                 use_triton: Optional[bool] = None):
         n_slots = min(spec.max_cells, 64) if n_slots is None else n_slots
         if n_slots < 1:
             raise CacheError(f"n_slots={n_slots} for the cell layout; allowed: an integer >= 1")
         super().__init__(spec, device, n_slots)
+        self.use_triton = triton_enabled(self.device, use_triton)  # False: the torch reference
         self.max_cells = spec.max_cells
         self.scratch_cell = spec.max_cells
         self._windows = [layer.window if layer.policy == POLICY_RING else 0 for layer in spec.layers]
@@ -64,6 +71,10 @@ class BatchedCellCache(KVCache):
     def write(self, k, v, positions, seq_slots, layer_id: int) -> None:
         # declare_step placed the step's cells in the device cell_table; padding rows map to the scratch cell.
         k_pool, v_pool = self._k[layer_id], self._v[layer_id]
+        if self.use_triton:
+            triton_attention.write_cells_triton(k.to(k_pool.dtype), v.to(v_pool.dtype), k_pool, v_pool,
+                                                self.cell_table, positions, seq_slots)
+            return
         cells = self.cell_table[seq_slots, positions]
         k_pool.index_put_((cells,), k.to(k_pool.dtype))
         v_pool.index_put_((cells,), v.to(v_pool.dtype))
@@ -78,8 +89,8 @@ class BatchedCellCache(KVCache):
     def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         self.write(k, v, positions, seq_slots, layer_id)
         k_pool, v_pool = self._k[layer_id], self._v[layer_id]
-        return attend_cells_ref(q, k_pool, v_pool, self.cell_table, positions, seq_slots,
-                                self._windows[layer_id], scale)
+        attend = triton_attention.attend_cells_triton if self.use_triton else attend_cells_ref
+        return attend(q, k_pool, v_pool, self.cell_table, positions, seq_slots, self._windows[layer_id], scale)
 
     # ------------------------------------------------------------------ hooks
 

@@ -11,28 +11,36 @@ still holds (later writes wrapped over older ones). Rewind, clone and a write
 behind the length are allowed only while the rows hold what the next query's
 window needs.
 
-Knows storage, placement and the reference read side (mg.kernels); must not
-know models, programs, the scheduler or mg.export.
+The read side is the Triton kernel (`attend_columns_triton`) when `use_triton` (by
+default: on CUDA with Triton available), else the torch reference; both read only
+shapes on the host, so a CUDA graph can capture them until growth moves storage.
+
+Knows storage, placement and the read side (mg.kernels); must not know models,
+programs, the scheduler or mg.export.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
+from mg.kernels import triton_attention
 from mg.kernels.attention_ref import attend_columns_ref
 from mg.manifests import KVSpec
 from mg.manifests.constants import LAYOUT_SEQUENCE, POLICY_RING
 
 from .cache_base import CacheError, KVCache, StepPlan
+from .cuda_graphs import triton_enabled
 
 
 class BatchedSequenceCache(KVCache):
     layout = LAYOUT_SEQUENCE
 
-    def __init__(self, spec: KVSpec, device: Union[str, torch.device], initial_rows: int = 64):
+    def __init__(self, spec: KVSpec, device: Union[str, torch.device], initial_rows: int = 64,
+                 use_triton: Optional[bool] = None):
         super().__init__(spec, device, spec.max_seqs)
+        self.use_triton = triton_enabled(self.device, use_triton)  # False: the torch reference
         self._windows = [layer.window if layer.policy == POLICY_RING else 0 for layer in spec.layers]
         self._max_rows = [min(w + spec.max_write - 1, spec.capacity) if w else spec.capacity for w in self._windows]
         start = [min(max(1, initial_rows), m) for m in self._max_rows]
@@ -56,6 +64,10 @@ class BatchedSequenceCache(KVCache):
         # The write row is derived on the device from the op's own inputs: rows is a storage shape,
         # fixed until growth bumps storage_version. No host reads, so this can be graph-captured.
         k_store, v_store = self._k[layer_id], self._v[layer_id]
+        if self.use_triton:
+            triton_attention.write_columns_triton(k.to(k_store.dtype), v.to(v_store.dtype), k_store, v_store,
+                                                  positions, seq_slots)
+            return
         row = positions % k_store.shape[1]
         k_store.index_put_((seq_slots, row), k.to(k_store.dtype))
         v_store.index_put_((seq_slots, row), v.to(v_store.dtype))
@@ -72,7 +84,8 @@ class BatchedSequenceCache(KVCache):
     def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         self.write(k, v, positions, seq_slots, layer_id)
         k_store, v_store = self._k[layer_id], self._v[layer_id]
-        return attend_columns_ref(q, k_store, v_store, positions, seq_slots, self._windows[layer_id], scale)
+        attend = triton_attention.attend_columns_triton if self.use_triton else attend_columns_ref
+        return attend(q, k_store, v_store, positions, seq_slots, self._windows[layer_id], scale)
 
     # ------------------------------------------------------------------ hooks
 

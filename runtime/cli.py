@@ -47,10 +47,12 @@ def _write_output(records: list[dict], output: Path | None) -> None:
 @click.option("--no-dflash", is_flag=True, help="Target-only decoding even when the artifact has a drafter.")
 @click.option("--draft-block", type=int, default=None,
               help="Rows verified per DFlash round (2 .. the exported block size) [default: the exported one].")
+@click.option("--no-cuda-graphs", is_flag=True,
+              help="With --device cuda: run every step eagerly instead of replaying CUDA graphs (for comparison).")
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Output JSONL [default: stdout].")
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
 def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, kv_layout,
-         no_dflash, draft_block, output, stats_json):
+         no_dflash, draft_block, no_cuda_graphs, output, stats_json):
     """Serve the prompts of ARTIFACT (an mg-export directory) and write one JSON line per request."""
     if not prompts and input_path is None:
         click.echo(click.get_current_context().get_help(), err=True)
@@ -73,7 +75,7 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
 
     try:
         records, summary = serve(artifact, prompts, input_path, max_new_tokens, params, device, kv_layout,
-                                 dflash=not no_dflash, draft_block=draft_block)
+                                 dflash=not no_dflash, draft_block=draft_block, cuda_graphs=not no_cuda_graphs)
     except ServeError as e:
         _die(str(e))
     _write_output(records, output)

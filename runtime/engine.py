@@ -3,8 +3,15 @@
 Each step packs decode tokens and prefill chunks (`Scheduler.schedule`), has
 the cache admit them, runs the target `forward` once, samples the rows that
 end a sequence's known tokens, and commits. The DFlash engine
-(`spec_decode.py`) reuses this class for prefill and bookkeeping. Knows the
-model only through the artifact; never imports mg.export.
+(`spec_decode.py`) reuses this class for prefill and bookkeeping.
+
+On CUDA (unless `cuda_graphs=False`) a step of N tokens and R logits rows is
+padded to the token bucket of max(N, R) (1, 2, 4, ... up to max_write; see
+`cuda_graphs.py`) and replayed from a CUDA graph: padding rows are token 0 at
+position 0 of the cache's scratch slot, padding logits rows read row 0, and the
+outputs are cut back to the live rows. `pad_steps=True` runs the same padding
+without graphs (how CPU tests exercise it). Knows the model only through the
+artifact; never imports mg.export.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from mg.manifests import constants as C
 
 from .artifact import Artifact
 from .cache_base import make_cache
-from .sampling import SamplingBatch, sample
+from .cuda_graphs import GraphCounters, GraphRunner, bucket_for, pad_rows, triton_enabled
+from .sampling import SamplingBatch, SamplingParams, sample
 from .scheduler import Chunk, Request, RequestError, Scheduler, Sequence
 
 
@@ -40,6 +48,20 @@ class EngineStats:
     rounds: int = 0  # DFlash rounds
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    accepted_hist: list = field(default_factory=list)  # [a] = DFlash rounds that accepted a drafts
+    graphs: GraphCounters = field(default_factory=GraphCounters)  # CUDA-graph captures/replays/recaptures
+
+    @property
+    def graph_captures(self) -> int:
+        return self.graphs.captures
+
+    @property
+    def graph_replays(self) -> int:
+        return self.graphs.replays
+
+    @property
+    def recaptures(self) -> int:
+        return self.graphs.recaptures
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,20 +83,33 @@ class StepInputs:
 
 
 class Engine:
-    """Serves requests on one artifact; `run(requests)` returns one `Result` per request, in order."""
+    """Serves requests on one artifact; `run(requests)` returns one `Result` per request, in order.
 
-    def __init__(self, artifact: Artifact, device: str = "cpu", n_slots: Optional[int] = None):
+    cuda_graphs: None = on for CUDA, off elsewhere. pad_steps: None = pad exactly when graphs are
+    on; True pads every step to its bucket (without graphs on CPU). use_triton: None = the caches'
+    default (Triton on CUDA when available)."""
+
+    def __init__(self, artifact: Artifact, device: str = "cpu", n_slots: Optional[int] = None, *,
+                 cuda_graphs: Optional[bool] = None, pad_steps: Optional[bool] = None,
+                 use_triton: Optional[bool] = None):
         self.artifact = artifact
         self.device = torch.device(device)
         self.program = artifact.program
         kv = artifact.manifest.kv
         self.cache = make_cache(kv, self.device, n_slots if n_slots is not None else kv.max_active_seqs)
+        if use_triton is not None:
+            self.cache.use_triton = triton_enabled(self.device, use_triton)
         self.program.bind("mg::update_and_attend", self.cache.update_and_attend)
+        self.stats = EngineStats()
+        self.cuda_graphs = self._graphs_wanted(cuda_graphs)
+        self.pad_steps = self.cuda_graphs if pad_steps is None else pad_steps
+        self._forward_graphs = GraphRunner(self.program, C.METHOD_FORWARD, self._blank_step,
+                                           self.cache.storage_version, self.stats.graphs) if self.cuda_graphs else None
+        self._batches: dict[tuple[SamplingParams, ...], SamplingBatch] = {}
         self.scheduler = Scheduler(max_write=kv.max_write, n_slots=self.cache.n_slots, capacity=kv.capacity,
                                    vocab_size=artifact.manifest.model.vocab_size,
                                    cell_budget=kv.max_cells if kv.layout == C.LAYOUT_CELL else None)
         self.eos = frozenset(artifact.manifest.model.eos_ids)
-        self.stats = EngineStats()
         self._results: dict[str, Result] = {}
 
     # ------------------------------------------------------------------ public
@@ -123,17 +158,51 @@ class Engine:
         return StepInputs(as_long(tokens), as_long(positions), as_long(slots), as_long(rows), sampled)
 
     def forward(self, inputs: StepInputs) -> list:
-        """Admit the step in the cache, then run the target `forward` (logits [R, V] first)."""
-        self.cache.declare_step(inputs.positions, inputs.seq_slots)
-        dev = self.device
-        return self.program.run(C.METHOD_FORWARD, [inputs.tokens.to(dev), inputs.positions.to(dev),
-                                                   inputs.seq_slots.to(dev), inputs.logits_rows.to(dev)])
+        """Admit the step in the cache, then run the target `forward`: logits [R, V] first, then
+        per-token outputs [N, ...] (hidden), cut back to the live rows when the step was padded."""
+        n, r = inputs.tokens.shape[0], inputs.logits_rows.shape[0]
+        size = bucket_for(max(n, r, 1), self.cache.max_write) if self.pad_steps else None
+        step = [inputs.tokens, inputs.positions, inputs.seq_slots, inputs.logits_rows]
+        if size is not None:
+            step = [pad_rows(inputs.tokens, size, 0), pad_rows(inputs.positions, size, 0),
+                    pad_rows(inputs.seq_slots, size, self.cache.scratch_slot), pad_rows(inputs.logits_rows, size, 0)]
+        self.cache.declare_step(step[1], step[2])  # padded rows included: the host admits them, outside the graph
+        if size is not None and self._forward_graphs is not None:
+            out = self._forward_graphs.run(size, step)
+        else:
+            out = self.program.run(C.METHOD_FORWARD, [x.to(self.device) for x in step])
+        if size is None:
+            return out
+        return [out[0][:r], *(o[:n] for o in out[1:])]
+
+    def _blank_step(self, size: int) -> list[torch.Tensor]:
+        """A forward step of `size` padding rows only (the scratch slot at position 0): harmless to run."""
+        zeros = torch.zeros(size, dtype=torch.long, device=self.device)
+        return [zeros, zeros, torch.full_like(zeros, self.cache.scratch_slot), zeros]
+
+    def _graphs_wanted(self, requested: Optional[bool]) -> bool:
+        if requested is None:
+            return self.device.type == "cuda"
+        if requested and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs --device cuda; the device is {self.device}")
+        return requested
+
+    def sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+        """The rows' SamplingBatch, built once per distinct parameter tuple (saves 5 host-to-device copies
+        per step in steady decoding)."""
+        key = tuple(s.request.sampling for s in seqs)
+        batch = self._batches.get(key)
+        if batch is None:
+            if len(self._batches) >= 256:
+                self._batches.clear()
+            batch = self._batches[key] = SamplingBatch.from_params(key, device=device)
+        return batch
 
     def sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Sample one token per logits row [R, V] with each request's own parameters and seed."""
         if not seqs:
             return []
-        batch = SamplingBatch.from_params([s.request.sampling for s in seqs], device=logits.device)
+        batch = self.sampling_batch(seqs, logits.device)
         counters = torch.tensor([s.n_generated for s in seqs], dtype=torch.long, device=logits.device)
         return sample(logits[:, None, :], batch, counters)[:, 0].tolist()
 

@@ -11,7 +11,12 @@ pending token at position L (sampled, KV not yet written):
   4. commit: the target cache is rewound to L + a + 1, only the hidden rows of
      committed positions enter the draft cache, and the correction or bonus
      token becomes the new pending token.
-Knows the artifact, caches and sampling; never imports mg.export.
+On CUDA the drafter's `draft_block` always replays from CUDA graphs (batch buckets
+1, 2, 4, ... up to the draft cache's active sequences; padding rows use the draft
+scratch slot with anchor position 0, so their context is empty), and `draft_append`
+is padded to token buckets like the target step (padding rows write the draft
+scratch slot at position 0). Knows the artifact, caches and sampling; never imports
+mg.export.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from mg.manifests import constants as C
 
 from .artifact import Artifact
 from .cache_base import make_cache
+from .cuda_graphs import GraphRunner, bucket_for, pad_rows, triton_enabled
 from .draft_ops import DraftOps
 from .engine import Engine
-from .sampling import SamplingBatch
 from .scheduler import Chunk, Sequence
 from .spec_accept import accept
 
@@ -37,7 +42,7 @@ class DFlashError(ValueError):
 
 class DFlashEngine(Engine):
     def __init__(self, artifact: Artifact, device: str = "cpu", draft_block: Optional[int] = None,
-                 n_slots: Optional[int] = None):
+                 n_slots: Optional[int] = None, **engine_options):
         draft = artifact.manifest.draft
         if draft is None:
             raise DFlashError(f"{artifact.directory} has no drafter (export with --draft-checkpoint or "
@@ -46,15 +51,25 @@ class DFlashEngine(Engine):
         if not 2 <= block <= draft.block_size:
             raise DFlashError(f"--draft-block is {draft_block}; allowed: an integer in [2, {draft.block_size}] "
                               f"(the exported block size)")
-        super().__init__(artifact, device, n_slots)
+        super().__init__(artifact, device, n_slots, **engine_options)
         self.block = block  # rows verified per round: the pending token + block - 1 drafts
         self.exported_block = draft.block_size
         self.mask_token = draft.mask_token_id
         draft_slots = self.cache.n_slots if draft.kv.layout == C.LAYOUT_CELL else None
         self.draft_cache = make_cache(draft.kv, self.device, draft_slots)
+        if engine_options.get("use_triton") is not None:  # draft_ops writes through the cache's kernels
+            self.draft_cache.use_triton = triton_enabled(self.device, engine_options["use_triton"])
+        self.max_draft_batch = draft.kv.max_active_seqs  # the draft_block bound on B
         ops = DraftOps(self.draft_cache)
         self.program.bind("mg::draft_append", ops.append)
         self.program.bind("mg::draft_attend", ops.attend)
+        self._draft_graphs = self._append_graphs = None
+        if self.cuda_graphs:
+            version = self.draft_cache.storage_version
+            self._draft_graphs = GraphRunner(self.program, C.METHOD_DRAFT_BLOCK, self._blank_block, version,
+                                             self.stats.graphs)
+            self._append_graphs = GraphRunner(self.program, C.METHOD_DRAFT_APPEND, self._blank_append, version,
+                                              self.stats.graphs)
 
     # ------------------------------------------------------------------ one step = one round
 
@@ -68,18 +83,21 @@ class DFlashEngine(Engine):
         for chunk, d in zip(verify, drafts):
             chunk.seq.tokens.extend(d)  # provisional: trimmed back to what is accepted below
         inputs = self.pack(verify + prefill)
-        verify_rows = self._verify_rows(verify)
-        rows = torch.cat([verify_rows, inputs.logits_rows]) if verify else inputs.logits_rows
-        inputs.logits_rows = rows
+        n_verify = sum(c.length for c in verify)  # verify rows come first in the packed step
+        inputs.logits_rows = torch.cat([torch.arange(n_verify), inputs.logits_rows])  # R <= N <= max_write
         logits, hidden = self.forward(inputs)[:2]
-        accepted, new_tokens = self._accept(verify, drafts, logits[:len(verify_rows)])
-        prefill_tokens = self.sample_rows(logits[len(verify_rows):], inputs.sampled)
+        verify_logits = logits[:n_verify].index_select(0, self._verify_index(verify).to(logits.device))
+        accepted, new_tokens = self._accept(verify, drafts, verify_logits)
+        prefill_tokens = self.sample_rows(logits[n_verify:], inputs.sampled)
         self._commit(verify, accepted, prefill, inputs, hidden)
         for chunk, d, a, toks in zip(verify, drafts, accepted, new_tokens):
             del chunk.seq.tokens[len(chunk.seq.tokens) - len(d):]
             self.stats.rounds += 1
             self.stats.drafted_tokens += len(d)
             self.stats.accepted_tokens += a
+            hist = self.stats.accepted_hist
+            hist.extend([0] * (a + 1 - len(hist)))
+            hist[a] += 1
             self.append(chunk.seq, toks)
         for seq, tok in zip(inputs.sampled, prefill_tokens):
             self.append(seq, [tok])
@@ -103,17 +121,24 @@ class DFlashEngine(Engine):
         anchors = torch.tensor([s.n_cached for s, _ in live], dtype=torch.long)
         positions = anchors[:, None] + torch.arange(t)[None, :]
         slots = torch.tensor([s.slot for s, _ in live], dtype=torch.long)
-        dev = self.device
-        logits = self.program.run(C.METHOD_DRAFT_BLOCK, [tokens.to(dev), positions.to(dev), slots.to(dev)])[0]
-        proposals = logits.argmax(dim=-1).tolist()  # [B, T-1]
+        block = [tokens, positions, slots]
+        size = bucket_for(len(live), self.max_draft_batch) if self.pad_steps else None
+        if size is not None:  # padding rows: anchor 0 on the draft scratch slot, so no context is read
+            block = [pad_rows(tokens, size, self.mask_token), pad_rows(positions, size, torch.arange(t)),
+                     pad_rows(slots, size, self.draft_cache.scratch_slot)]
+        if size is not None and self._draft_graphs is not None:
+            logits = self._draft_graphs.run(size, block)[0]
+        else:
+            logits = self.program.run(C.METHOD_DRAFT_BLOCK, [x.to(self.device) for x in block])[0]
+        proposals = logits[:len(live)].argmax(dim=-1).tolist()  # [B, T-1]
         it = iter(proposals)
         return [next(it)[:k] if k > 0 else [] for k in n_drafts]
 
     # ------------------------------------------------------------------ pieces
 
     @staticmethod
-    def _verify_rows(verify: list[Chunk]) -> torch.Tensor:
-        """Packed row index of each verify row, padded to K + 1 per sequence with its last row."""
+    def _verify_index(verify: list[Chunk]) -> torch.Tensor:
+        """[B * (K + 1)] index into the verify logits: each sequence's rows, padded with its last row."""
         width = max((c.length for c in verify), default=1)
         rows, offset = [], 0
         for c in verify:
@@ -130,7 +155,7 @@ class DFlashEngine(Engine):
         for i, d in enumerate(drafts):
             draft[i, :len(d)] = torch.tensor(d, dtype=torch.long)
         n_draft = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=dev)
-        batch = SamplingBatch.from_params([c.seq.request.sampling for c in verify], device=dev)
+        batch = self.sampling_batch([c.seq for c in verify], dev)
         counters = torch.tensor([c.seq.n_generated - len(d) for c, d in zip(verify, drafts)], dtype=torch.long,
                                 device=dev)
         result = accept(draft.to(dev), None, logits.view(b, width, -1), n_draft, batch, counters)
@@ -161,12 +186,34 @@ class DFlashEngine(Engine):
     def append_context(self, hidden: torch.Tensor, rows: list[int], positions: list[int], slots: list[int]) -> None:
         if not rows:
             return
+        size = bucket_for(len(rows), self.draft_cache.max_write) if self.pad_steps else None
+        if size is not None:  # padding rows repeat a committed hidden row into the draft scratch slot, position 0
+            pad = size - len(rows)
+            rows, positions, slots = rows + [rows[0]] * pad, positions + [0] * pad, slots + [
+                self.draft_cache.scratch_slot] * pad
         pos = torch.tensor(positions, dtype=torch.long)
         sl = torch.tensor(slots, dtype=torch.long)
         self.draft_cache.declare_step(pos, sl)
-        dev = self.device
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        self.program.run(C.METHOD_DRAFT_APPEND, [hidden.index_select(0, index), pos.to(dev), sl.to(dev)])
+        step = [hidden.index_select(0, index), pos, sl]
+        if size is not None and self._append_graphs is not None:
+            self._append_graphs.run(size, step)
+        else:
+            self.program.run(C.METHOD_DRAFT_APPEND, [x.to(self.device) for x in step])
+
+    def _blank_block(self, size: int) -> list[torch.Tensor]:
+        """`size` draft rows anchored at 0 on the draft scratch slot: they read no context, write nothing."""
+        t, dev = self.exported_block, self.device
+        return [torch.full((size, t), self.mask_token, dtype=torch.long, device=dev),
+                torch.arange(t, device=dev).repeat(size, 1),
+                torch.full((size,), self.draft_cache.scratch_slot, dtype=torch.long, device=dev)]
+
+    def _blank_append(self, size: int) -> list[torch.Tensor]:
+        """`size` context rows written to the draft scratch slot at position 0."""
+        spec = next(m for m in self.artifact.manifest.methods if m.name == C.METHOD_DRAFT_APPEND).inputs[0]
+        hidden = torch.zeros(size, spec.shape[1], dtype=getattr(torch, spec.dtype), device=self.device)
+        zeros = torch.zeros(size, dtype=torch.long, device=self.device)
+        return [hidden, zeros, torch.full_like(zeros, self.draft_cache.scratch_slot)]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         super().finish(seq, reason)

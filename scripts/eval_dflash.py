@@ -67,7 +67,7 @@ def _requests(path: Path, artifact_dir: Path, max_new: int):
 def _row_acceptance(hist: list[int], block: int) -> list[float]:
     """P(draft row i accepted) for i = 1..block-1, from the histogram of accepted drafts per round."""
     rounds = sum(hist)
-    return [sum(hist[i:]) / rounds if rounds else 0.0 for i in range(1, block)]
+    return [sum(hist[i:]) / rounds if rounds else 0.0 for i in range(1, block)]  # hist may be shorter
 
 
 def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str) -> dict:
@@ -82,7 +82,9 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
                            "target_only_s": ar_s, "dflash_s": sd_s, "speedup": ar_s / sd_s})
     ar, ar_stats, ar_s = _run(artifact_dir, reqs, False, device)
     sd, sd_stats, sd_s = _run(artifact_dir, reqs, True, device)
-    block = len(sd_stats.accepted_hist)
+    from mg.manifests import read_manifest
+
+    block = read_manifest(artifact_dir / "manifest.json").draft.block_size
     return {
         "lossless_all": all(a.tokens == b.tokens for a, b in zip(ar, sd)) and all(p["lossless"] for p in per_prompt),
         "batched": {"target_only_tokens_per_s": ar_stats.generated_tokens / ar_s,

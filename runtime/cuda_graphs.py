@@ -1,0 +1,171 @@
+"""CUDA execution of program methods: token/batch buckets, padding to a bucket, and graph capture/replay.
+
+A `GraphRunner` serves one program method on CUDA. Per bucket (the padded size of the
+method's leading dimension) it warms the method up once on padding-only inputs, captures
+`Program.run(method, static_inputs)` in a CUDA graph, and from then on copies each call's
+(already padded) inputs into the static buffers and replays. A capture remembers the
+storage version of the cache it reads (`version()`); when the cache moved its storage
+(growth), the graph is captured again (a recapture) before the next replay.
+
+Callers own what happens outside the graph: admission (`cache.declare_step` runs on the
+host, before the replay, with the padded rows), and consuming the outputs before the
+next replay of the same runner (outputs are static buffers that the next replay reuses).
+
+Also here: the one decision "Triton attention or the torch reference" for a cache on a
+device, which says why once when CUDA has to fall back.
+
+Knows torch.cuda and the `Program` API; must not know models, caches' internals, the
+scheduler or mg.export.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+log = logging.getLogger("mg.runtime")
+_SAID: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """Log a fallback reason (Triton to torch, graphs to eager) once per process."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning(message)
+
+
+# ------------------------------------------------------------------ Triton choice
+
+
+def triton_enabled(device: torch.device, requested: Optional[bool] = None) -> bool:
+    """Use the Triton attention kernels? None = on CUDA whenever Triton can run; True/False force.
+    On CUDA without Triton, says why once and picks the torch reference."""
+    from mg.kernels import triton_attention
+
+    if requested is not None:
+        if requested and not triton_attention.available():
+            raise ValueError(f"use_triton=True, but Triton attention is unavailable: {triton_attention.reason}")
+        return requested
+    if torch.device(device).type != "cuda":
+        return False
+    if not triton_attention.available():
+        say_once(f"mg-run: Triton attention unavailable ({triton_attention.reason}); "
+                 f"using the torch reference attention on CUDA")
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ buckets and padding
+
+
+def buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below `limit`, then `limit` itself: every padded size a runner may capture."""
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return (*out, limit)
+
+
+def bucket_for(n: int, limit: int) -> Optional[int]:
+    """The smallest bucket >= n (n >= 1), or None when n > limit."""
+    if n > limit:
+        return None
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, limit)
+
+
+def pad_rows(t: torch.Tensor, size: int, fill) -> torch.Tensor:
+    """`t` [n, ...] extended to [size, ...] with `fill` rows (a scalar or a [...] tensor)."""
+    n = t.shape[0]
+    if n == size:
+        return t
+    extra = t.new_empty((size - n, *t.shape[1:]))
+    extra[...] = fill
+    return torch.cat([t, extra])
+
+
+# ------------------------------------------------------------------ graphs
+
+
+@dataclass
+class GraphCounters:
+    captures: int = 0  # first captures and recaptures
+    replays: int = 0
+    recaptures: int = 0  # captures again after the cache's storage moved
+
+
+@dataclass
+class _Captured:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: list  # static input buffers [bucket, ...]
+    outputs: list  # static outputs, overwritten by every replay
+    version: int  # the storage version the graph read
+
+
+class GraphRunner:
+    """Captures one method per bucket and replays it; see the module docstring."""
+
+    def __init__(self, program, method: str, blank: Callable[[int], list], version: Callable[[], int],
+                 counters: GraphCounters):
+        """`blank(bucket)` returns padding-only device inputs of that bucket (they must be harmless to run:
+        scratch slot, position 0); `version()` the storage version of the cache the method reads."""
+        self.program = program
+        self.method = method
+        self.blank = blank
+        self.version = version
+        self.counters = counters
+        self._graphs: dict[int, _Captured] = {}
+        self._ever: set[int] = set()
+        self._pool = None  # one memory pool shared by this runner's live graphs
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def run(self, bucket: int, inputs: Sequence[torch.Tensor]) -> list:
+        version = self.version()
+        g = self._graphs.get(bucket)
+        if g is None or g.version != version:
+            self._drop_stale(version)
+            g = self._capture(bucket, version)
+        for buf, x in zip(g.inputs, inputs):
+            buf.copy_(x, non_blocking=True)
+        g.graph.replay()
+        self.counters.replays += 1
+        return g.outputs
+
+    def _drop_stale(self, version: int) -> None:
+        """Graphs of an older storage version point at freed storage: never replay them."""
+        for b in [b for b, g in self._graphs.items() if g.version != version]:
+            del self._graphs[b]
+
+    def _capture(self, bucket: int, version: int) -> _Captured:
+        if not self._graphs:  # a pool dies with its last graph; torch refuses to capture into a dead one
+            self._pool = torch.cuda.graph_pool_handle()
+        inputs = [t.clone() for t in self.blank(bucket)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy inits and Triton compiles happen outside the capture
+            self.program.run(self.method, inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")  # a host sync in the method is a bug: fail loudly
+            try:
+                outputs = self.program.run(self.method, inputs)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        self.counters.captures += 1
+        if bucket in self._ever:
+            self.counters.recaptures += 1
+        self._ever.add(bucket)
+        g = _Captured(graph, inputs, list(outputs), version)
+        self._graphs[bucket] = g
+        return g

@@ -1,0 +1,287 @@
+"""Decode benchmarks of `mg-run`'s engine on CUDA: step time with and without CUDA graphs, the
+weight-bandwidth floor, the DFlash cost ratio, end-to-end tokens/s, and the two KV layouts.
+
+A random-weight MG target (default: dim 2048, 8 layers, 16 heads, 2 KV heads, head_dim 128,
+ffn 6144, vocab 32000, bf16, ~0.54B parameters; `--layers` changes the depth) with a random
+DFlash drafter (DRAFT_PRESETS['medium'], taps moved inside the target) is exported once per
+layout (in parallel processes), then served by `mg.runtime` engines. Prints Markdown tables;
+`--out` writes the numbers as JSON. `--tiny` runs the tiny presets (a smoke test; works on CPU).
+
+    python scripts/bench_decode.py --out bench_decode.json
+
+Bench scripts may import mg.export (the runtime never does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+PROMPT = 64  # prompt tokens per request
+BLOCK = 16  # DFlash block (the medium drafter's)
+
+
+def bench_config(layers: int, tiny: bool):
+    from mg.export.config import PRESETS, MuseGlimmerConfig
+    from mg.export.draft_model import DRAFT_PRESETS
+
+    if tiny:
+        return PRESETS["tiny"], DRAFT_PRESETS["tiny"]
+    cfg = MuseGlimmerConfig(dim=2048, n_layers=layers, n_heads=16, n_kv_heads=2, head_dim=128, ffn_dim=6144,
+                            vocab_size=32000, sliding_window=512, dtype="bfloat16")
+    taps = tuple(sorted({min(layers - 1, 1 + round(i * (layers - 2) / 4)) for i in range(5)}))
+    return cfg, dataclasses.replace(DRAFT_PRESETS["medium"], target_layers=taps)
+
+
+def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, max_seqs: int,
+               max_context: int) -> tuple[str, float]:
+    """Export one layout (runs in its own process); -> (directory, seconds)."""
+    import mg.kernels  # noqa: F401
+    from mg.export.artifact import PRESET_SEED, ExportOptions, TargetSource, export_artifact
+    from mg.export.draft_lower import DraftSource
+    from mg.export.draft_model import DFlashDraft
+    from mg.export.model import MuseGlimmer, init_random
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+    t0 = time.perf_counter()
+    cfg, dcfg = bench_config(layers, tiny)
+    target = TargetSource("bench", cfg, init_random(MuseGlimmer(cfg), PRESET_SEED), None)
+    draft = DraftSource("bench-draft", dcfg, init_random(DFlashDraft(dcfg, cfg), PRESET_SEED))
+    sizes = {"max_seqs": max_seqs} if layout == "sequence" else {"max_cells": max_seqs * max_context}
+    opts = ExportOptions(output_dir=Path(out), layout=layout, max_context=max_context, max_write=max_write, force=True,
+                         **sizes)
+    export_artifact(opts, target, lambda msg: print(f"  [{layout}] {msg}", flush=True), draft)
+    return out, time.perf_counter() - t0
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes moved per second (read + write) by a device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * 10 / (time.perf_counter() - t0)
+
+
+def timed(engine, name: str, device: str, log: list):
+    """Wrap engine.<name> so each call is timed (synchronized) into `log`."""
+    real = getattr(engine, name)
+
+    def wrapper(*a, **kw):
+        sync(device)
+        t0 = time.perf_counter()
+        out = real(*a, **kw)
+        sync(device)
+        log.append(time.perf_counter() - t0)
+        return out
+
+    setattr(engine, name, wrapper)
+
+
+def requests(n: int, max_new: int, vocab: int, seed: int):
+    from mg.runtime.scheduler import Request
+
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(f"b{seed}-{i}", tuple(torch.randint(4, vocab, (PROMPT,), generator=gen).tolist()), max_new)
+            for i in range(n)]
+
+
+def steady_steps(engine, batch: int, warm: int, steps: int, device: str, vocab: int) -> dict:
+    """Prefill `batch` sequences, run `warm` decode steps (captures), then time `steps` steps."""
+    engine.eos = frozenset()
+    for r in requests(batch, warm + steps + 4 + BLOCK * (warm + steps + 4), vocab, batch):
+        engine.scheduler.submit(r)
+    while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(warm):
+        engine.step()
+    fwd, draft = [], []
+    timed(engine, "forward", device, fwd)
+    if hasattr(engine, "propose"):
+        timed(engine, "propose", device, draft)
+    rounds0, acc0, gen0 = engine.stats.rounds, engine.stats.accepted_tokens, engine.stats.generated_tokens
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    wall = time.perf_counter() - t0
+    out = {"step_ms": 1e3 * wall / steps, "forward_ms": 1e3 * statistics.median(fwd),
+           "tokens_per_step": (engine.stats.generated_tokens - gen0) / steps}
+    if draft:
+        rounds = engine.stats.rounds - rounds0
+        out.update(draft_ms=1e3 * statistics.median(draft),
+                   acceptance_length=(engine.stats.accepted_tokens - acc0 + rounds) / max(rounds, 1))
+    return out
+
+
+def end_to_end(make, batch: int, max_new: int, vocab: int) -> dict:
+    """tokens/s of a whole run (prefill included) after a warm-up run that captured the graphs."""
+    engine = make()
+    engine.eos = frozenset()
+    engine.run(requests(batch, max_new, vocab, 1000 + batch))
+    gen0, wall0, r0, a0 = (engine.stats.generated_tokens, engine.stats.wall_s, engine.stats.rounds,
+                           engine.stats.accepted_tokens)
+    engine.run(requests(batch, max_new, vocab, 2000 + batch))
+    gen, wall = engine.stats.generated_tokens - gen0, engine.stats.wall_s - wall0
+    rounds = engine.stats.rounds - r0
+    return {"tokens_per_s": gen / wall, "generated": gen,
+            "acceptance_length": (engine.stats.accepted_tokens - a0 + rounds) / rounds if rounds else None}
+
+
+def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float) -> dict:
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.engine import Engine
+    from mg.runtime.spec_decode import DFlashEngine
+
+    dev = args.device
+    t0 = time.perf_counter()
+    art = load_artifact(Path(path), device=dev)
+    res: dict = {"load_s": time.perf_counter() - t0, "decode": {}, "dflash": {}, "e2e": {}}
+    graph_modes = (False, True) if dev == "cuda" else (False,)
+
+    def fresh(cls, **kw):
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        return cls(art, device=dev, **kw)
+
+    for b in args.batches:
+        for graphs in graph_modes:
+            steps = args.steps if graphs else max(3, args.steps // 4)
+            r = steady_steps(fresh(Engine, cuda_graphs=graphs), b, 3, steps, dev, cfg.vocab_size)
+            res["decode"][f"{b}/{'graphs' if graphs else 'eager'}"] = r
+            print(f"  [{layout}] decode batch {b} {'graphs' if graphs else 'eager '}: {r['step_ms']:.2f} ms/step "
+                  f"(forward {r['forward_ms']:.2f} ms; floor {1e3 * weight_bytes / bw:.2f} ms)", flush=True)
+    graphs = dev == "cuda"
+    for b in args.dflash_batches:
+        r = steady_steps(fresh(DFlashEngine, cuda_graphs=graphs), b, 3, args.steps, dev, cfg.vocab_size)
+        decode = res["decode"].get(f"{b}/{'graphs' if graphs else 'eager'}") or steady_steps(
+            fresh(Engine, cuda_graphs=graphs), b, 3, args.steps, dev, cfg.vocab_size)
+        r["c"] = (r["draft_ms"] + r["forward_ms"]) / decode["forward_ms"]
+        r["c_step"] = r["step_ms"] / decode["step_ms"]
+        res["dflash"][str(b)] = r
+        print(f"  [{layout}] DFlash batch {b}: draft {r['draft_ms']:.2f} ms + verify {r['forward_ms']:.2f} ms vs "
+              f"decode {decode['forward_ms']:.2f} ms -> c = {r['c']:.2f} (whole round / whole step "
+              f"{r['c_step']:.2f}); acceptance length {r['acceptance_length']:.2f}", flush=True)
+    for b in args.dflash_batches:
+        ar = end_to_end(lambda: fresh(Engine, cuda_graphs=graphs), b, args.max_new, cfg.vocab_size)
+        df = end_to_end(lambda: fresh(DFlashEngine, cuda_graphs=graphs), b, args.max_new, cfg.vocab_size)
+        res["e2e"][str(b)] = {"ar": ar, "dflash": df}
+        print(f"  [{layout}] end-to-end batch {b}: AR {ar['tokens_per_s']:.1f} tok/s, DFlash "
+              f"{df['tokens_per_s']:.1f} tok/s (acceptance length {df['acceptance_length']:.2f})", flush=True)
+    del art
+    return res
+
+
+def tables(report: dict) -> str:
+    lines = [f"Target: {report['config']}; {report['params'] / 1e9:.3f}B parameters ({report['weight_gb']:.2f} GB "
+             f"read per step); drafter: {report['draft_config']}. Copy bandwidth {report['copy_gbps']:.0f} GB/s "
+             f"-> weight-bandwidth floor {report['floor_ms']:.2f} ms/step. Device: {report['device']}.", "",
+             "| layout | batch | eager ms/step | graphs ms/step | speedup | graphs forward ms | floor ms |",
+             "|---|---|---|---|---|---|---|"]
+    for layout, res in report["layouts"].items():
+        for b in report["batches"]:
+            e, g = res["decode"].get(f"{b}/eager"), res["decode"].get(f"{b}/graphs")
+            gs = f"{g['step_ms']:.2f}" if g else "-"
+            sp = f"{e['step_ms'] / g['step_ms']:.1f}x" if g else "-"
+            gf = f"{g['forward_ms']:.2f}" if g else "-"
+            lines.append(f"| {layout} | {b} | {e['step_ms']:.2f} | {gs} | {sp} | {gf} | {report['floor_ms']:.2f} |")
+    lines += ["", f"DFlash (block {report['draft_config']['block_size']}, random drafter): c = (t_draft + t_verify) / t_decode, forward times",
+              "", "| layout | batch | t_draft ms | t_verify ms | t_decode ms | c | round/step | acceptance length |",
+              "|---|---|---|---|---|---|---|---|"]
+    for layout, res in report["layouts"].items():
+        for b, r in res["dflash"].items():
+            mode = "graphs" if f"{b}/graphs" in res["decode"] else "eager"
+            d = res["decode"].get(f"{b}/{mode}", {}).get("forward_ms", float("nan"))
+            lines.append(f"| {layout} | {b} | {r['draft_ms']:.2f} | {r['forward_ms']:.2f} | {d:.2f} | {r['c']:.2f} | "
+                         f"{r['c_step']:.2f} | {r['acceptance_length']:.2f} |")
+    lines += ["", f"End to end ({PROMPT}-token prompts, {report['max_new']} new tokens each, after a warm-up run)",
+              "", "| layout | batch | AR tok/s | DFlash tok/s | DFlash acceptance length |", "|---|---|---|---|---|"]
+    for layout, res in report["layouts"].items():
+        for b, r in res["e2e"].items():
+            lines.append(f"| {layout} | {b} | {r['ar']['tokens_per_s']:.1f} | {r['dflash']['tokens_per_s']:.1f} | "
+                         f"{r['dflash']['acceptance_length']:.2f} |")
+    seq, cell = report["layouts"].get("sequence"), report["layouts"].get("cell")
+    mode = "graphs" if report["device"] != "cpu" else "eager"
+    if seq and cell and f"8/{mode}" in seq["decode"]:
+        a, b = seq["decode"][f"8/{mode}"]["step_ms"], cell["decode"][f"8/{mode}"]["step_ms"]
+        lines += ["", f"kBatchedCell vs kBatchedSequence at batch 8 ({mode}): {b:.2f} vs {a:.2f} ms/step "
+                      f"({b / a:.2f}x)"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="tiny presets (smoke test)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--layouts", default="sequence,cell")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--dflash-batches", default="1,8")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.dflash_batches = [int(x) for x in args.dflash_batches.split(",")]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_decode: --device cuda, but torch sees no CUDA device")
+    cfg, dcfg = bench_config(args.layers, args.tiny)
+    max_seqs = max(args.batches + args.dflash_batches)
+    max_write = max(max_seqs, BLOCK * max(args.dflash_batches), 2) if not args.tiny else 24
+    layouts = args.layouts.split(",")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-decode-"))
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(len(layouts), mp_context=get_context("spawn")) as pool:
+        futures = {lay: pool.submit(export_one, str(work / lay), lay, args.layers, args.tiny, max_write, max_seqs,
+                                    args.max_context) for lay in layouts}
+        exported = {lay: f.result() for lay, f in futures.items()}
+    print(f"exported {', '.join(f'{k} in {v[1]:.0f}s' for k, v in exported.items())} "
+          f"(wall {time.perf_counter() - t0:.0f}s)", flush=True)
+    params = cfg.n_params()
+    weight_bytes = (params - cfg.vocab_size * cfg.dim) * torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    bw = copy_bandwidth(args.device, 1 << 30 if args.device == "cuda" else 1 << 26)
+    report = {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k in (
+                  "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "sliding_window",
+                  "dtype")},
+              "draft_config": {k: v for k, v in dataclasses.asdict(dcfg).items() if k in (
+                  "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "block_size", "target_layers")},
+              "params": params, "weight_gb": weight_bytes / 1e9, "copy_gbps": bw / 1e9,
+              "floor_ms": 1e3 * weight_bytes / bw, "max_write": max_write, "max_new": args.max_new,
+              "batches": args.batches, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "export_s": {k: v[1] for k, v in exported.items()}, "layouts": {}}
+    for lay in layouts:
+        report["layouts"][lay] = bench_layout(exported[lay][0], lay, args, cfg, weight_bytes, bw)
+    report["total_s"] = time.perf_counter() - t0
+    print()
+    print(tables(report))
+    print(f"\n(total {report['total_s']:.0f}s)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Padded steps and CUDA-graph replays change nothing: same outputs as eager, same tokens as CPU.
+
+CPU tests force the padding path (`pad_steps=True`): padding rows on the scratch slot must
+never change a live row. CUDA tests (skipped without a device) compare graph replays with
+eager runs of the same padded steps for every bucket, across storage growth, and greedy
+generation with graphs, without graphs and on CPU, both layouts, target-only and DFlash.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mg.runtime.artifact import load_artifact
+from mg.runtime.cuda_graphs import bucket_for, buckets
+from mg.runtime.engine import Engine, StepInputs
+from mg.runtime.scheduler import Request
+from mg.runtime.spec_decode import DFlashEngine
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TARGETS = ["tiny_seq_artifact", "tiny_cell_artifact"]
+DFLASH = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
+
+
+def _requests(vocab: int, lengths=(1, 6, 13, 27, 40, 61), max_new=(12, 5, 20, 9, 16, 30)) -> list[Request]:
+    """Ragged prompts; the 61-token one runs past 64 positions, so sequence-layout flat columns grow."""
+    gen = torch.Generator().manual_seed(31)
+    return [Request(f"r{i}", tuple(torch.randint(4, vocab, (n,), generator=gen).tolist()), m)
+            for i, (n, m) in enumerate(zip(lengths, max_new))]
+
+
+def _tokens(engine, reqs) -> list[tuple[int, ...]]:
+    return [r.tokens for r in engine.run(reqs)]
+
+
+def _recording(engine) -> list:
+    """Record (live N, outputs) of every forward of `engine`."""
+    seen = []
+    real = engine.forward
+
+    def forward(inputs):
+        out = real(inputs)
+        seen.append((inputs.tokens.shape[0], [o.detach().clone().cpu() for o in out]))
+        return out
+
+    engine.forward = forward
+    return seen
+
+
+def test_buckets_are_powers_of_two_then_the_limit():
+    assert buckets(24) == (1, 2, 4, 8, 16, 24)
+    assert buckets(16) == (1, 2, 4, 8, 16)
+    assert [bucket_for(n, 24) for n in (1, 3, 5, 16, 17, 24)] == [1, 4, 8, 16, 24, 24]
+    assert bucket_for(25, 24) is None
+
+
+@pytest.mark.parametrize("which", TARGETS)
+def test_padding_rows_on_the_scratch_slot_never_change_live_outputs(which, request, tiny_cfg):
+    art = request.getfixturevalue(which)
+    reqs = _requests(tiny_cfg.vocab_size)
+    plain, padded = Engine(load_artifact(art)), Engine(load_artifact(art), pad_steps=True)
+    seen_plain, seen_padded = _recording(plain), _recording(padded)
+    assert _tokens(padded, reqs) == _tokens(plain, reqs)
+    assert len(seen_plain) == len(seen_padded)
+    assert any(bucket_for(n, padded.cache.max_write) != n for n, _ in seen_padded)  # padding really happened
+    for (n, a), (m, b) in zip(seen_plain, seen_padded):
+        assert n == m and [x.shape for x in a] == [x.shape for x in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)  # other matmul shapes, same values
+    assert padded.cache.length(padded.cache.scratch_slot) == 0  # padding never commits anything
+
+
+@pytest.mark.parametrize("which", DFLASH)
+def test_padded_dflash_rounds_equal_unpadded_rounds(which, request, tiny_cfg):
+    art = request.getfixturevalue(which)
+    reqs = _requests(tiny_cfg.vocab_size)
+    plain, padded = DFlashEngine(load_artifact(art)), DFlashEngine(load_artifact(art), pad_steps=True)
+    assert _tokens(padded, reqs) == _tokens(plain, reqs) == _tokens(Engine(load_artifact(art)), reqs)
+    assert (padded.stats.rounds, padded.stats.accepted_tokens) == (plain.stats.rounds, plain.stats.accepted_tokens)
+    assert padded.draft_cache.length(padded.draft_cache.scratch_slot) == 0
+
+
+def test_mg_run_accepts_no_cuda_graphs(tiny_seq_artifact):
+    from click.testing import CliRunner
+
+    from mg.runtime.cli import main
+
+    result = CliRunner().invoke(main, [str(tiny_seq_artifact), "--prompt", "ab", "--max-new-tokens", "3",
+                                       "--no-cuda-graphs"])
+    assert result.exit_code == 0, result.stderr
+    assert "CUDA graphs" not in result.stderr  # off on CPU: no graph counters in the summary
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+def _chunk(n: int, slot: int, start: int, gen: torch.Generator) -> StepInputs:
+    toks = torch.randint(4, 500, (n,), generator=gen)
+    return StepInputs(toks, torch.arange(start, start + n), torch.full((n,), slot), torch.arange(n))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("which", TARGETS)
+@pytest.mark.parametrize("use_triton", [None, False])
+def test_graph_replay_equals_eager_for_every_bucket(which, use_triton, request):
+    art = request.getfixturevalue(which)
+    eager = Engine(load_artifact(art, device="cuda"), device="cuda", cuda_graphs=False, pad_steps=True,
+                   use_triton=use_triton)
+    graphed = Engine(load_artifact(art, device="cuda"), device="cuda", use_triton=use_triton)
+    limit = graphed.cache.max_write
+    gen = torch.Generator().manual_seed(5)
+
+
+    def same(step: StepInputs) -> None:
+        for x, y in zip(eager.forward(step), graphed.forward(step)):
+            torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-6)
+
+    sizes = buckets(limit)
+    for prev, b in zip((0, *sizes), sizes):  # a full bucket and a padded one, each a fresh prefill of slot 0
+        for n in sorted({b, prev + 1}):
+            eager.cache.release(0), graphed.cache.release(0)
+            same(_chunk(n, 0, 0, gen))
+    eager.cache.release(0), graphed.cache.release(0)
+    for slot in range(3):
+        same(_chunk(5 + slot, slot, 0, gen))
+    same(StepInputs(torch.tensor([7, 8, 9]), torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), torch.arange(3)))
+    assert graphed._forward_graphs.captured == buckets(limit)
+    assert graphed.stats.graph_replays > graphed.stats.graph_captures > 0
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("which", TARGETS + DFLASH)
+def test_greedy_generation_with_graphs_equals_eager_and_cpu(which, request, tiny_cfg):
+    art = request.getfixturevalue(which)
+    cls = DFlashEngine if "dflash" in which else Engine
+    reqs = _requests(tiny_cfg.vocab_size)
+    cpu = _tokens(Engine(load_artifact(art)), reqs)
+    eager = _tokens(cls(load_artifact(art, device="cuda"), device="cuda", cuda_graphs=False), reqs)
+    engine = cls(load_artifact(art, device="cuda"), device="cuda")
+    assert _tokens(engine, reqs) == eager == cpu
+    assert engine.stats.graph_replays > 0
+    if "dflash" in which:
+        assert engine._draft_graphs.captured and engine._append_graphs.captured
+        assert engine.stats.rounds > 0
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("which", ["tiny_seq_artifact", "tiny_dflash_seq_artifact"])
+def test_storage_growth_recaptures_and_outputs_still_equal(which, request, tiny_cfg):
+    art = request.getfixturevalue(which)
+    cls = DFlashEngine if "dflash" in which else Engine
+    reqs = _requests(tiny_cfg.vocab_size, lengths=(61, 3), max_new=(33, 40))  # flat columns grow 64 -> 96 rows
+    engine = cls(load_artifact(art, device="cuda"), device="cuda")
+    got = _tokens(engine, reqs)
+    assert engine.cache.metrics().growth_count > 0 and engine.stats.recaptures > 0
+    assert got == _tokens(Engine(load_artifact(art)), reqs)
+
+
+
+class _DoubleProgram:
+    """A stand-in program: out = 2 * x + the 'cache storage' (a tensor that growth replaces)."""
+
+    def __init__(self):
+        self.storage = torch.ones(4, device="cuda")
+
+    def run(self, method, inputs):
+        return [inputs[0] * 2 + self.storage[: inputs[0].shape[0]]]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_runner_recaptures_after_its_only_graph_went_stale():
+    """Growth drops every graph of a runner (their pool dies with them); the next capture must still work."""
+    from mg.runtime.cuda_graphs import GraphCounters, GraphRunner
+
+    program, version, counters = _DoubleProgram(), [0], GraphCounters()
+    runner = GraphRunner(program, "m", lambda b: [torch.zeros(b, device="cuda")], lambda: version[0], counters)
+    x = torch.arange(2.0)
+    assert runner.run(2, [x])[0].tolist() == [1.0, 3.0]
+    program.storage, version[0] = torch.full((4,), 10.0, device="cuda"), 1  # storage moved
+    assert runner.run(2, [x])[0].tolist() == [10.0, 12.0]
+    assert (counters.captures, counters.recaptures, counters.replays) == (2, 1, 2)
