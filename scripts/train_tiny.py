@@ -5,14 +5,16 @@ Phases (each timed and printed): read every `*.py` of the running interpreter's 
 site-packages, dist-packages, test, tests, idle_test and __pycache__ skipped; files that are not UTF-8
 skipped) and hold out a fixed fraction of files by a sha256 of their relative path; train a byte-level BPE
 tokenizer on the training files (ids 0-3 are <pad> <bos> <eos> <mask>); train the MG target
-(`mg.export.model.MuseGlimmer`) on windows of the token stream (each file is `<bos> text <eos>`); train the
-DFlash drafter against the frozen target; measure held-out perplexity and the drafter's acceptance length
-under greedy verification; write native checkpoints (`target/` with tokenizer.json, `draft/`) and
-`train_report.{json,md}`.
+(`mg.export.model.MuseGlimmer`) on windows of the token stream (each file is `<bos> text <eos>`); let the
+frozen target continue many training prompts greedily (rollouts) and train the DFlash drafter on those
+continuations, since under greedy verification a draft counts only where it agrees with the target; measure
+held-out perplexity and the drafter's acceptance length on held-out prompts (the DFlash loop replayed on the
+target's greedy text) and on held-out windows; write native checkpoints (`target/` with tokenizer.json,
+`draft/`) and `train_report.{json,md}`.
 
 Reproducible: fixed seeds, sorted files, a seeded batch order and deterministic torch algorithms. Training
 phases run a fixed number of steps; `--time-budget-s` stops them early by wall time (the report says so).
-The target overfits the small corpus, so the weights of its lowest held-out probe loss are the ones kept.
+`--keep-best` keeps the target weights of its lowest held-out probe loss instead of the last ones.
 
     python scripts/train_tiny.py --out out/embedded --time-budget-s 420 --check-repro   # one H200, ~3 min
     python scripts/train_tiny.py --out /tmp/smoke --smoke                                # CPU, toy scale
@@ -81,7 +83,7 @@ class Settings:
     out: str
     smoke: bool = False
     device: str = "cpu"
-    seed: int = 1234               # target init; +1 target batch order, +2 draft init, +3 draft order, +4 anchors
+    seed: int = 1234               # target init; +1 target order, +2 draft init, +3 draft order, +4 anchors, +5 rollouts
     vocab_size: int = 4096
     seq_len: int = 512             # tokens per training window (the model sees seq_len, predicts seq_len)
     heldout_fraction: float = 0.05
@@ -90,10 +92,16 @@ class Settings:
     keep_best: bool = False        # keep the target weights of the evaluation step with the lowest held-out loss
     target_batch: int = 32
     target_lr: float = 2e-3
-    draft_steps: int = 2400
+    draft_steps: int = 5000
     draft_batch: int = 32
     draft_lr: float = 2e-3
     anchors_per_seq: int = 16
+    rollouts: int = 32768          # the drafter's training text: the target's own greedy continuations ...
+    rollout_len: int = 384         # ... of this many tokens in all (prompt + continuation) ...
+    rollout_prompts: tuple[int, ...] = (16, 32, 64, 128, 192)  # ... after <bos> + a training window's first P - 1
+    rollout_batch: int = 2048      # sequences generated at once
+    eval_prompt_count: int = 64    # held-out prompts (scripts/make_heldout_prompts.py's rule) for the loop eval
+    eval_new_tokens: int = 64      # greedy tokens generated per held-out prompt
     warmup_steps: int = 60
     weight_decay: float = 0.1
     log_every: int = 50
@@ -110,6 +118,8 @@ class Settings:
 
 SMOKE = dict(vocab_size=512, seq_len=128, max_corpus_bytes=1_200_000, target_steps=120, target_batch=8,
              target_lr=3e-3, draft_steps=80, draft_batch=8, draft_lr=3e-3, anchors_per_seq=4, warmup_steps=10,
+             rollouts=64, rollout_len=96, rollout_prompts=(16, 40), rollout_batch=32, eval_prompt_count=6,
+             eval_new_tokens=24,
              log_every=10, eval_every=40, probe_chunks=16, eval_max_chunks=32, accept_chunks=8,
              accept_anchors=(16, 48, 80, 104),
              repro_steps=5)
@@ -357,10 +367,13 @@ def draft_train_logits(draft: DFlashDraft, hidden: torch.Tensor, blk_tok: torch.
     return F.linear(h, head_weight).float()
 
 
-def sample_anchors(b: int, k: int, seq_len: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
-    """[B, K] distinct sorted anchors in [1, seq_len - block_size]: every label anchor + i (i < S) is in the window."""
-    scores = torch.rand(b, seq_len - block_size, generator=gen)
-    return scores.argsort(dim=1)[:, :k].sort(dim=1).values + 1
+def sample_anchors(low: torch.Tensor, k: int, seq_len: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
+    """low [B] -> [B, K] distinct sorted anchors in [low_b, seq_len - block_size]: every label anchor + i (i < S)
+    lies inside the sequence, and no anchor comes before its row's first continuation token."""
+    n = seq_len - block_size + 1
+    scores = torch.rand(low.shape[0], n, generator=gen)
+    scores[torch.arange(n)[None, :] < low[:, None]] = -1.0
+    return scores.argsort(dim=1, descending=True, stable=True)[:, :k].sort(dim=1).values
 
 
 def position_weights(block_size: int, device) -> torch.Tensor:
@@ -368,10 +381,9 @@ def position_weights(block_size: int, device) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / 7.0)
 
 
-def draft_loss(draft: DFlashDraft, target: MuseGlimmer, window: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """window [B, T + 1] (only [:, :T] used), anchors [B, K] -> position-weighted cross-entropy against the true
-    next tokens, with the target frozen (its tapped residuals are computed without gradients)."""
-    tokens = window[:, :-1]
+def draft_loss(draft: DFlashDraft, target: MuseGlimmer, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """tokens [B, T], anchors [B, K] -> position-weighted cross-entropy of the block proposals against the tokens
+    that follow each anchor, with the target frozen (its tapped residuals are computed without gradients)."""
     with torch.no_grad():
         _, hidden = packed_forward(target, tokens, torch.zeros(1, dtype=torch.long, device=tokens.device),
                                    draft.cfg.target_layers)
@@ -382,6 +394,76 @@ def draft_loss(draft: DFlashDraft, target: MuseGlimmer, window: torch.Tensor, an
     ce = F.cross_entropy(logits.flatten(0, 2), labels.reshape(-1), reduction="none").view(labels.shape)
     w = position_weights(draft.cfg.block_size, ce.device)
     return (ce * w).sum(-1).mean() / w.sum()
+
+
+# ----------------------------------------------------------------------------- the target's greedy text
+
+
+class CachedAttend:
+    """Attend backend for batched greedy generation: B sequences that all stand at the same position, their t new
+    tokens packed row-major ([B * t] rows). K/V live in per-layer [B, max_len, Hkv, D] buffers; causal with each
+    layer's window, like `SdpaAttend`. Like it, trusts that layout instead of reading positions/seq_slots."""
+
+    def __init__(self, cfg: MuseGlimmerConfig, batch: int, max_len: int):
+        self.windows = [cfg.window(i) for i in range(cfg.n_layers)]
+        self.batch, self.max_len, self.pos = batch, max_len, 0  # pos: tokens cached before this step
+        self.k: list[Optional[torch.Tensor]] = [None] * cfg.n_layers
+        self.v: list[Optional[torch.Tensor]] = [None] * cfg.n_layers
+
+    def __call__(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
+        b, p0 = self.batch, self.pos
+        t = q.shape[0] // b
+        if self.k[layer_id] is None:
+            shape = (b, self.max_len, *k.shape[1:])
+            self.k[layer_id], self.v[layer_id] = k.new_zeros(shape), v.new_zeros(shape)
+        kc, vc = self.k[layer_id], self.v[layer_id]
+        kc[:, p0:p0 + t] = k.view(b, t, *k.shape[1:])
+        vc[:, p0:p0 + t] = v.view(b, t, *v.shape[1:])
+        diff = torch.arange(p0, p0 + t, device=q.device)[:, None] - torch.arange(p0 + t, device=q.device)[None, :]
+        window = self.windows[layer_id]
+        mask = (diff >= 0) & (diff < window) if window > 0 else diff >= 0
+        out = sdpa_gqa(q.view(b, t, *q.shape[1:]), kc[:, :p0 + t], vc[:, :p0 + t], mask, scale)
+        return out.reshape(q.shape)
+
+
+@torch.no_grad()
+def greedy_extend(target: MuseGlimmer, prefix: torch.Tensor, n_new: int) -> torch.Tensor:
+    """prefix [B, P] -> [B, P + n_new]: each row followed by the target's greedy continuation (KV-cached)."""
+    b, _ = prefix.shape
+    dev = prefix.device
+    cache = CachedAttend(target.cfg, b, prefix.shape[1] + n_new)
+    slots_of = lambda t: torch.arange(b, device=dev).repeat_interleave(t)  # noqa: E731
+    out, step_in = [prefix], prefix
+    for _ in range(n_new):
+        t = step_in.shape[1]
+        positions = torch.arange(cache.pos, cache.pos + t, device=dev).repeat(b)
+        rows = torch.arange(b, device=dev) * t + t - 1
+        with autocast(dev.type):
+            logits, _ = target(step_in.reshape(-1), positions, slots_of(t), rows, cache)
+        cache.pos += t
+        step_in = logits.argmax(-1)[:, None]
+        out.append(step_in)
+    return torch.cat(out, dim=1)
+
+
+def make_rollouts(target: MuseGlimmer, train_w: torch.Tensor, s: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's training text, as it meets it when serving: `<bos>` + P - 1 tokens from a random place of the
+    training stream (a prompt), then the target's greedy continuation up to `rollout_len` tokens. A drafter is
+    right exactly when it agrees with the target's greedy choice, so these continuations, not the corpus, are the
+    labels. -> (tokens [rollouts, rollout_len], prompt length P per row)."""
+    gen = torch.Generator().manual_seed(s.seed + 5)
+    seqs, starts, done, t0 = [], [], 0, time.monotonic()
+    for i in range(math.ceil(s.rollouts / s.rollout_batch)):
+        p = s.rollout_prompts[i % len(s.rollout_prompts)]
+        b = min(s.rollout_batch, s.rollouts - done)
+        rows = torch.randint(train_w.shape[0], (b, 1), generator=gen)
+        cols = torch.randint(train_w.shape[1] - p + 1, (b, 1), generator=gen) + torch.arange(p - 1)
+        prompt = torch.cat([torch.full((b, 1), BOS_ID), train_w.cpu()[rows, cols]], dim=1).to(s.device)
+        seqs.append(greedy_extend(target, prompt, s.rollout_len - p))
+        starts.append(torch.full((b,), p))
+        done += b
+        print(f"   rollouts {done}/{s.rollouts} (prompt {p} tokens, {time.monotonic() - t0:.0f} s)", flush=True)
+    return torch.cat(seqs), torch.cat(starts)
 
 
 # ----------------------------------------------------------------------------- training loop
@@ -532,53 +614,50 @@ def round_weights(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     return model
 
 
-def train_draft(dcfg: DFlashConfig, target: MuseGlimmer, train_w: torch.Tensor, s: Settings, clock: Clock):
+def train_draft(dcfg: DFlashConfig, target: MuseGlimmer, rollouts: torch.Tensor, starts: torch.Tensor, s: Settings,
+                clock: Clock):
+    """Train against the target's greedy rollouts: anchors only inside each row's continuation."""
     torch.manual_seed(s.seed + 2)
     draft = DFlashDraft(dcfg, target.cfg).to(s.device).train()
     target.requires_grad_(False)
-    order = batch_indices(train_w.shape[0], s.draft_batch, s.seed + 3)
+    order = batch_indices(rollouts.shape[0], s.draft_batch, s.seed + 3)
     gen = torch.Generator().manual_seed(s.seed + 4)
 
     def loss_fn(step: int) -> torch.Tensor:
-        w = train_w[next(order)]
-        anchors = sample_anchors(w.shape[0], s.anchors_per_seq, s.seq_len, dcfg.block_size, gen).to(s.device)
-        return draft_loss(draft, target, w, anchors)
+        idx = next(order)
+        anchors = sample_anchors(starts[idx], s.anchors_per_seq, rollouts.shape[1], dcfg.block_size, gen)
+        return draft_loss(draft, target, rollouts[idx.to(rollouts.device)], anchors.to(s.device))
 
     spec = LoopSpec("draft", s.draft_steps, s.draft_lr, clock.stop_at(DRAFT_STOP_FRACTION))
     return draft.eval(), train_loop(draft, loss_fn, spec, s, clock)
 
 
-@torch.no_grad()
-def greedy_continue(target: MuseGlimmer, prefix: torch.Tensor, n: int, taps):
-    """prefix [B, L] -> (the target's greedy next n tokens [B, n], tapped residuals of the prefix [B, L, taps*dim])."""
-    tokens, hidden = prefix, None
-    for j in range(n):
-        b, length = tokens.shape
-        rows = torch.arange(b, device=tokens.device) * length + length - 1
-        with autocast(str(tokens.device.type)):
-            logits, h = packed_forward(target, tokens, rows, taps if j == 0 else ())
-        hidden = h.view(b, length, -1) if j == 0 else hidden
-        tokens = torch.cat([tokens, logits.argmax(-1)[:, None]], dim=1)
-    return tokens[:, prefix.shape[1]:], hidden
+def draft_proposals(target: MuseGlimmer, draft: DFlashDraft, seq: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """seq [B, L], anchors [B, K] -> the drafter's greedy proposals [B, K, S - 1] for the positions after each
+    anchor, each block seeing the target's tapped residuals of the positions before its anchor."""
+    cfg = draft.cfg
+    dev = seq.device
+    with autocast(dev.type):
+        _, hidden = packed_forward(target, seq, torch.zeros(1, dtype=torch.long, device=dev), cfg.target_layers)
+        blk_tok, blk_pos = block_inputs(seq, anchors, cfg)
+        logits = draft_train_logits(draft, hidden.view(*seq.shape, -1), blk_tok, blk_pos,
+                                    target.tok_embeddings.weight, target.output.weight)
+    return logits.argmax(-1)
 
 
 @torch.no_grad()
-def eval_acceptance(target: MuseGlimmer, draft: DFlashDraft, windows: torch.Tensor, s: Settings) -> dict:
+def eval_windows(target: MuseGlimmer, draft: DFlashDraft, windows: torch.Tensor, s: Settings) -> dict:
     """For held-out windows and fixed anchor positions p: the drafter drafts from the true prefix (context < p,
     anchor token at p); the target continues greedily from the same prefix. Acceptance length under greedy
     verification = 1 (the correction/bonus token) + the leading block positions where the two agree."""
-    cfg, n = draft.cfg, draft.cfg.block_size - 1
+    n = draft.cfg.block_size - 1
     agree, truth_d, truth_t, accept = [], [], [], []
     for p in s.accept_anchors:
         for i in range(0, windows.shape[0], s.target_batch):
             w = windows[i:i + s.target_batch]
-            greedy, hidden = greedy_continue(target, w[:, :p + 1], n, cfg.target_layers)
-            anchors = torch.full((w.shape[0], 1), p, device=w.device)
-            blk_tok, blk_pos = block_inputs(w[:, :p + 1], anchors, cfg)
-            with autocast(s.device):
-                logits = draft_train_logits(draft, hidden, blk_tok, blk_pos, target.tok_embeddings.weight,
-                                            target.output.weight)
-            drafted, truth = logits.argmax(-1)[:, 0], w[:, p + 1:p + 1 + n]
+            greedy = greedy_extend(target, w[:, :p + 1], n)[:, p + 1:]
+            drafted = draft_proposals(target, draft, w[:, :p + 1], torch.full((w.shape[0], 1), p, device=w.device))
+            drafted, truth = drafted[:, 0], w[:, p + 1:p + 1 + n]
             match = drafted == greedy
             agree.append(match.float())
             truth_d.append((drafted == truth).float())
@@ -590,6 +669,60 @@ def eval_acceptance(target: MuseGlimmer, draft: DFlashDraft, windows: torch.Tens
             "acceptance_length_hist": torch.bincount(acc.long().cpu(), minlength=n + 2).tolist(),
             "agree_with_target_greedy": per_pos(agree), "draft_top1_vs_truth": per_pos(truth_d),
             "target_greedy_vs_truth": per_pos(truth_t)}
+
+
+def simulate_rounds(drafted: torch.Tensor, seq: torch.Tensor, start: int) -> list[int]:
+    """The greedy DFlash loop replayed on a known greedy text: seq [L] (prompt + the target's continuation from
+    `start`), drafted [L - 1 - start, S - 1] (the proposals of the round anchored at each position from `start`).
+    Each round accepts the drafts that agree with seq up to the first that does not, then the target's own token
+    becomes the next anchor; like the engine, a round drafts no further than one short of the text's end (the
+    target's token ends it). -> drafts accepted per round."""
+    accepted, p, last = [], start, seq.shape[0] - 1
+    while p < last:
+        avail = min(drafted.shape[1], last - p - 1)
+        m = int((drafted[p - start, :avail] == seq[p + 1:p + 1 + avail]).int().cumprod(0).sum())
+        accepted.append(m)
+        p += m + 1
+    return accepted
+
+
+@torch.no_grad()
+def eval_prompts(target: MuseGlimmer, draft: DFlashDraft, prompts: list[tuple[str, list[int]]], s: Settings) -> dict:
+    """What `mg-run` will see: each held-out prompt continued greedily by the target for `eval_new_tokens` tokens,
+    with DFlash rounds replayed on that text (losslessness makes the greedy text the same with and without it).
+    -> acceptance length pooled over rounds (accepted drafts + 1), per prompt, per block row, and a histogram."""
+    n = draft.cfg.block_size - 1
+    per_prompt, rounds = [], []
+    for rel, ids in prompts:
+        seq = greedy_extend(target, torch.tensor([ids], device=s.device), s.eval_new_tokens)
+        anchors = torch.arange(len(ids), seq.shape[1] - 1, device=s.device)[None]
+        drafted = draft_proposals(target, draft, seq, anchors)[0].cpu()
+        acc = simulate_rounds(drafted, seq[0].cpu(), len(ids))
+        rounds += acc
+        per_prompt.append({"id": rel, "prompt_tokens": len(ids), "rounds": len(acc),
+                           "acceptance_length": round(sum(a + 1 for a in acc) / len(acc), 4)})
+    hist = [rounds.count(a) for a in range(n + 1)]
+    return {"prompts": len(prompts), "new_tokens": s.eval_new_tokens, "rounds": len(rounds),
+            "acceptance_length_mean": round(sum(a + 1 for a in rounds) / max(1, len(rounds)), 4),
+            "accepted_hist": hist, "row_acceptance": [round(sum(hist[i:]) / max(1, len(rounds)), 4)
+                                                      for i in range(1, n + 1)],
+            "per_prompt": per_prompt}
+
+
+def prompt_of(text: str) -> Optional[str]:
+    """A held-out prompt: the 8 lines of a file that end with its first `def ...:` line after line 30 (so a
+    completion continues a real function); None when the file has none."""
+    lines = text.splitlines()
+    for i in range(30, len(lines)):
+        if lines[i].lstrip().startswith("def ") and lines[i].rstrip().endswith(":"):
+            return "\n".join(lines[max(0, i - 7):i + 1]) + "\n"
+    return None
+
+
+def heldout_prompts(corpus: Corpus, count: int) -> list[tuple[str, str]]:
+    """-> up to `count` (relative path, prompt) of held-out files, in file order."""
+    rows = [(rel, prompt_of(text)) for rel, text in zip(corpus.heldout_files, corpus.heldout_texts)]
+    return [(rel, prompt) for rel, prompt in rows if prompt][:count]
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -657,7 +790,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def render_markdown(r: dict) -> str:
-    t, d, acc = r["target"], r["draft"], r["draft"]["eval"]
+    t, d, acc, win = r["target"], r["draft"], r["draft"]["eval"], r["draft"]["eval_windows"]
     lines = [f"# train_tiny report ({'smoke' if r['settings']['smoke'] else 'full'})", "",
              f"Python {r['env']['python']}, torch {r['env']['torch']}, device {r['env'].get('gpu', r['env']['device'])}; "
              f"stdlib `{r['env']['stdlib']}`: {r['corpus']['train_files']} training files "
@@ -670,15 +803,28 @@ def render_markdown(r: dict) -> str:
                     [[name, m["params"], f"{m['train']['steps_done']}/{m['train']['steps_planned']}",
                       m["train"]["stopped_by_time"], f"step {m['train'].get('selected_step', m['train']['steps_done'])}",
                       m["train"]["loss_curve"][-1][1]] for name, m in (("target", t), ("draft", d))])
+    kept = (f"; the weights kept are those of the lowest held-out loss on {r['settings']['probe_chunks']} of these "
+            f"windows, every {r['settings']['eval_every']} steps" if r["settings"]["keep_best"] else "")
     lines += ["", f"Target held-out: loss {t['heldout_loss']} nats/token, perplexity {t['heldout_ppl']} "
-                  f"({t['heldout_tokens']} predictions; the weights kept are those of the lowest held-out loss on "
-                  f"{r['settings']['probe_chunks']} of these windows, every {r['settings']['eval_every']} steps).", "",
-              f"Drafter: mean acceptance length {acc['acceptance_length_mean']} under greedy verification "
-              f"(block {d['config']['block_size']}, {acc['anchors']} held-out anchors).", ""]
+                  f"({t['heldout_tokens']} predictions{kept}).", "",
+              f"Drafter (block {d['config']['block_size']}), trained on {d['rollouts']['count']} greedy rollouts of the "
+              f"target ({d['rollouts']['tokens']} tokens each, prompts of {d['rollouts']['prompt_tokens']} tokens):", "",
+              f"- held-out prompts (the DFlash loop replayed on the target's greedy text, {acc['new_tokens']} new tokens "
+              f"per prompt): mean acceptance length **{acc['acceptance_length_mean']}** over {acc['rounds']} rounds of "
+              f"{acc['prompts']} prompts;",
+              f"- held-out windows (drafts from the true text at fixed positions): mean acceptance length "
+              f"{win['acceptance_length_mean']} ({win['anchors']} anchors).", "",
+              "Held-out prompts, per block row (P(row i accepted)) and per prompt:", ""]
+    lines += _table(["row"] + [str(i + 1) for i in range(len(acc["row_acceptance"]))],
+                    [["P"] + acc["row_acceptance"]])
+    lines += [""] + _table(["prompt", "prompt tokens", "rounds", "acceptance length"],
+                           [[x["id"], x["prompt_tokens"], x["rounds"], x["acceptance_length"]]
+                            for x in acc["per_prompt"]])
+    lines += ["", "Held-out windows, per block position:", ""]
     lines += _table(["block position", "agrees with target greedy", "draft == truth", "target greedy == truth"],
-                    [[i + 1, a, b, c] for i, (a, b, c) in enumerate(zip(acc["agree_with_target_greedy"],
-                                                                        acc["draft_top1_vs_truth"],
-                                                                        acc["target_greedy_vs_truth"]))])
+                    [[i + 1, a, b, c] for i, (a, b, c) in enumerate(zip(win["agree_with_target_greedy"],
+                                                                        win["draft_top1_vs_truth"],
+                                                                        win["target_greedy_vs_truth"]))])
     lines += ["", "## Loss curves", ""]
     held = dict(map(tuple, t["train"]["heldout_curve"]))
     lines += _table(["target step", "train loss", "held-out loss"],
@@ -696,7 +842,7 @@ def render_markdown(r: dict) -> str:
 
 def seeds(s: Settings) -> dict:
     return {"target_init": s.seed, "target_order": s.seed + 1, "draft_init": s.seed + 2, "draft_order": s.seed + 3,
-            "anchors": s.seed + 4}
+            "anchors": s.seed + 4, "rollout_prompts": s.seed + 5}
 
 
 def prepare_data(s: Settings, clock: Clock) -> dict:
@@ -741,15 +887,26 @@ def run_target(s: Settings, data: dict, clock: Clock) -> tuple:
 
 def run_draft(s: Settings, data: dict, target: MuseGlimmer, clock: Clock) -> tuple:
     dcfg = draft_config(s, target.cfg)
+    with clock.phase("rollouts"):
+        rollouts, starts = make_rollouts(target, data["train_w"], s)
     with clock.phase("draft_train"):
-        draft, log = train_draft(dcfg, target, data["train_w"], s, clock)
+        draft, log = train_draft(dcfg, target, rollouts, starts, s, clock)
         round_weights(draft, s.weights_dtype)
     with clock.phase("draft_eval"):
-        acc = eval_acceptance(target, draft, data["heldout_w"][: s.accept_chunks], s)
-        print(f"   mean acceptance length {acc['acceptance_length_mean']:.3f}; agreement with the target by "
-              f"position {acc['agree_with_target_greedy'][:6]} ...", flush=True)
+        tok = data["tok"]
+        prompts = [(rel, [BOS_ID] + tok.encode(text, add_special_tokens=False).ids)
+                   for rel, text in heldout_prompts(data["corpus"], s.eval_prompt_count)]
+        loop = eval_prompts(target, draft, prompts, s)
+        print(f"   held-out prompts: mean acceptance length {loop['acceptance_length_mean']:.3f} over "
+              f"{loop['rounds']} rounds of {loop['prompts']} prompts; P(row i accepted) "
+              f"{loop['row_acceptance'][:6]} ...", flush=True)
+        windows = eval_windows(target, draft, data["heldout_w"][: s.accept_chunks], s)
+        print(f"   held-out windows: mean acceptance length {windows['acceptance_length_mean']:.3f}; agreement "
+              f"by position {windows['agree_with_target_greedy'][:6]} ...", flush=True)
     info = {"config": dcfg.to_json_dict(), "params": sum(p.numel() for p in draft.parameters()), "train": log,
-            "eval": acc}
+            "rollouts": {"count": rollouts.shape[0], "tokens": rollouts.shape[1],
+                         "prompt_tokens": list(s.rollout_prompts)},
+            "eval": loop, "eval_windows": windows}
     return dcfg, draft, info
 
 

@@ -18,7 +18,7 @@ from mg.export.config import TINY, MuseGlimmerConfig
 from mg.export.draft_model import DRAFT_PRESETS, DFlashConfig, DFlashDraft
 from mg.export.draft_reference import draft_block_ref
 from mg.export.model import MuseGlimmer, init_random
-from mg.export.reference import dense_attend
+from mg.export.reference import dense_attend, greedy_generate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny.py"
 SNIPPET = 'def f(xs):\n\tfor i, x in enumerate(xs):  # é ✓\r\n        yield {"k": x ** 2}\n\n\nclass A:  pass\n'
@@ -81,6 +81,39 @@ def test_drafter_training_path_matches_draft_block_ref(tiny_model, window):
         for j, a in enumerate(anchors[b].tolist()):
             want = draft_block_ref(draft, embed, head, hidden[b], torch.arange(30), int(tokens[b, a]), a)
             torch.testing.assert_close(got[b, j], want, atol=1e-4, rtol=1e-4)
+
+
+def test_cached_greedy_generation_matches_the_reference_generator(tiny_model):
+    """Batched KV-cached rollouts (ring layers wrap: TINY's window is 8) equal one-sequence reference generation."""
+    prefix = torch.randint(4, TINY.vocab_size, (3, 7), generator=torch.Generator().manual_seed(2))
+    got = tt.greedy_extend(tiny_model, prefix, 12)
+    assert got.shape == (3, 19) and torch.equal(got[:, :7], prefix)
+    for i in range(3):
+        assert got[i, 7:].tolist() == greedy_generate(tiny_model, prefix[i].tolist(), 12)
+
+
+def test_anchors_lie_in_each_rows_continuation_with_a_whole_block_after_them():
+    low = torch.tensor([1, 20, 33, 40])
+    got = tt.sample_anchors(low, 5, 64, 16, torch.Generator().manual_seed(0))
+    assert got.shape == (4, 5)
+    for row, lo in zip(got.tolist(), low.tolist()):
+        assert row == sorted(set(row)) and lo <= row[0] and row[-1] <= 64 - 16
+
+
+def test_rounds_replay_accepts_the_agreeing_prefix_and_stops_one_short_of_the_end():
+    seq = torch.arange(10)  # prompt 0..1; the continuation 2..9 (anchor of the first round: position 2)
+    drafted = torch.full((7, 3), -1)  # the round anchored at position p proposes drafted[p - 2]
+    drafted[0] = torch.tensor([3, 4, 0])  # from 2: accepts 3, 4; the target gives 5
+    drafted[3] = torch.tensor([6, 7, 8])  # from 5: accepts 6, 7, 8 (3 drafts); the target gives 9, the end
+    assert tt.simulate_rounds(drafted, seq, 2) == [2, 3]
+    drafted[3] = torch.tensor([6, 0, 8])  # from 5: accepts 6; from 7 no draft agrees; from 8 nothing is drafted
+    assert tt.simulate_rounds(drafted, seq, 2) == [2, 1, 0, 0]
+
+
+def test_heldout_prompts_end_with_the_first_def_after_line_30():
+    text = "\n".join([f"x{i} = {i}" for i in range(32)] + ["def f(a):", "    return a", "def g():"]) + "\n"
+    assert tt.prompt_of(text) == "\n".join([f"x{i} = {i}" for i in range(25, 32)] + ["def f(a):"]) + "\n"
+    assert tt.prompt_of("def f():\n    pass\n") is None
 
 
 def test_heldout_split_is_a_stable_hash_of_the_path():
