@@ -149,7 +149,8 @@ def end_to_end(make, batch: int, max_new: int, vocab: int) -> dict:
             "acceptance_length": (engine.stats.accepted_tokens - a0 + rounds) / rounds if rounds else None}
 
 
-def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float) -> dict:
+def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float, res: dict, save) -> dict:
+    """Fills `res` measurement by measurement, calling `save()` after each (a run cut short keeps what it measured)."""
     from mg.runtime.artifact import load_artifact
     from mg.runtime.engine import Engine
     from mg.runtime.spec_decode import DFlashEngine
@@ -157,7 +158,7 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
     dev = args.device
     t0 = time.perf_counter()
     art = load_artifact(Path(path), device=dev)
-    res: dict = {"load_s": time.perf_counter() - t0, "decode": {}, "dflash": {}, "e2e": {}}
+    res.update(load_s=time.perf_counter() - t0, decode={}, dflash={}, e2e={})
     graph_modes = (False, True) if dev == "cuda" else (False,)
 
     def fresh(cls, **kw):
@@ -171,6 +172,7 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
             steps = args.steps if graphs else max(3, args.steps // 4)
             r = steady_steps(fresh(Engine, cuda_graphs=graphs), b, 3, steps, dev, cfg.vocab_size)
             res["decode"][f"{b}/{'graphs' if graphs else 'eager'}"] = r
+            save()
             print(f"  [{layout}] decode batch {b} {'graphs' if graphs else 'eager '}: {r['step_ms']:.2f} ms/step "
                   f"(forward {r['forward_ms']:.2f} ms; floor {1e3 * weight_bytes / bw:.2f} ms)", flush=True)
     graphs = dev == "cuda"
@@ -181,6 +183,7 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
         r["c"] = (r["draft_ms"] + r["forward_ms"]) / decode["forward_ms"]
         r["c_step"] = r["step_ms"] / decode["step_ms"]
         res["dflash"][str(b)] = r
+        save()
         print(f"  [{layout}] DFlash batch {b}: draft {r['draft_ms']:.2f} ms + verify {r['forward_ms']:.2f} ms vs "
               f"decode {decode['forward_ms']:.2f} ms -> c = {r['c']:.2f} (whole round / whole step "
               f"{r['c_step']:.2f}); acceptance length {r['acceptance_length']:.2f}", flush=True)
@@ -188,6 +191,7 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
         ar = end_to_end(lambda: fresh(Engine, cuda_graphs=graphs), b, args.max_new, cfg.vocab_size)
         df = end_to_end(lambda: fresh(DFlashEngine, cuda_graphs=graphs), b, args.max_new, cfg.vocab_size)
         res["e2e"][str(b)] = {"ar": ar, "dflash": df}
+        save()
         print(f"  [{layout}] end-to-end batch {b}: AR {ar['tokens_per_s']:.1f} tok/s, DFlash "
               f"{df['tokens_per_s']:.1f} tok/s (acceptance length {df['acceptance_length']:.2f})", flush=True)
     del art
@@ -273,14 +277,18 @@ def main() -> None:
               "floor_ms": 1e3 * weight_bytes / bw, "max_write": max_write, "max_new": args.max_new,
               "batches": args.batches, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "export_s": {k: v[1] for k, v in exported.items()}, "layouts": {}}
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
     for lay in layouts:
-        report["layouts"][lay] = bench_layout(exported[lay][0], lay, args, cfg, weight_bytes, bw)
+        report["layouts"][lay] = {}
+        bench_layout(exported[lay][0], lay, args, cfg, weight_bytes, bw, report["layouts"][lay], save)
     report["total_s"] = time.perf_counter() - t0
     print()
     print(tables(report))
     print(f"\n(total {report['total_s']:.0f}s)")
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    save()
 
 
 if __name__ == "__main__":
