@@ -158,7 +158,9 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
     dev = args.device
     t0 = time.perf_counter()
     art = load_artifact(Path(path), device=dev)
-    res.update(load_s=time.perf_counter() - t0, decode={}, dflash={}, e2e={})
+    res.update(load_s=time.perf_counter() - t0, decode={}, dflash={}, e2e={},
+               steps_per_call={m: art.program.info(m).n_steps for m in art.program.method_names
+                               if art.program.info(m).n_inputs})  # ops the interpreter runs per call
     graph_modes = (False, True) if dev == "cuda" else (False,)
 
     def fresh(cls, **kw):
@@ -226,6 +228,9 @@ def tables(report: dict) -> str:
         for b, r in res["e2e"].items():
             lines.append(f"| {layout} | {b} | {r['ar']['tokens_per_s']:.1f} | {r['dflash']['tokens_per_s']:.1f} | "
                          f"{r['dflash']['acceptance_length']:.2f} |")
+    lines += ["", "Interpreter steps (op calls) per method call: " + "; ".join(
+        f"{layout}: " + ", ".join(f"{m} {n}" for m, n in res.get("steps_per_call", {}).items())
+        for layout, res in report["layouts"].items())]
     seq, cell = report["layouts"].get("sequence"), report["layouts"].get("cell")
     mode = "graphs" if report["device"] != "cpu" else "eager"
     if seq and cell and f"8/{mode}" in seq["decode"]:

@@ -16,7 +16,7 @@ Reproducible: fixed seeds, sorted files, a seeded batch order and deterministic 
 phases run a fixed number of steps; `--time-budget-s` stops them early by wall time (the report says so).
 `--keep-best` keeps the target weights of its lowest held-out probe loss instead of the last ones.
 
-    python scripts/train_tiny.py --out out/embedded --time-budget-s 420 --check-repro   # one H200, ~3 min
+    python scripts/train_tiny.py --out out/embedded --check-repro    # the shipped default: one H200, 314 s
     python scripts/train_tiny.py --out /tmp/smoke --smoke                                # CPU, toy scale
 
 Knows the model only through mg.export (model, drafter, checkpoint format); knows nothing about
