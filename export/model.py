@@ -41,10 +41,17 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
-def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by positions * inv_freq[i], in fp32. x [N, H, D]."""
-    ang = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [N, 1, D/2] (fp32) of positions * inv_freq: computed once per forward, shared by the RoPE layers."""
+    ang = positions.float()[:, None] * inv_freq[None, :]
+    return ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+
+def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                     tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by positions * inv_freq[i], in fp32. x [N, H, D]; `tables` are
+    `rope_tables(positions, inv_freq)` when the caller has them."""
+    cos, sin = rope_tables(positions, inv_freq) if tables is None else tables
     pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -67,15 +74,17 @@ class Attention(nn.Module):
         hq, hkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return [hq, hkv, hkv, hq]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,
-                attend: AttendFn) -> torch.Tensor:
-        q, k, v, gate = self.qkvg_proj(x).split(self.split_sizes(), dim=-1)
-        q = rms_norm_noweight(q.unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
-        k = rms_norm_noweight(k.unflatten(-1, (self.n_kv_heads, self.head_dim)), self.eps)
-        v = v.unflatten(-1, (self.n_kv_heads, self.head_dim))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor, attend: AttendFn,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """`rope`: `rope_tables(positions, inv_freq)` shared by the layers (computed here when absent)."""
+        hq, hkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        qk, v, gate = self.qkvg_proj(x).split([hq + hkv, hkv, hq], dim=-1)
+        # q and k are adjacent in the fused projection: one per-head norm and one rotation serve both
+        qk = rms_norm_noweight(qk.unflatten(-1, (self.n_heads + self.n_kv_heads, self.head_dim)), self.eps)
         if self.use_rope:
-            q = rope_interleaved(q, positions, self.inv_freq)
-            k = rope_interleaved(k, positions, self.inv_freq)
+            qk = rope_interleaved(qk, positions, self.inv_freq, rope)
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+        v = v.unflatten(-1, (self.n_kv_heads, self.head_dim))
         out = attend(q, k, v, positions, seq_slots, self.layer_id, self.scale)
         return self.o_proj(out.flatten(-2) * torch.sigmoid(gate))
 
@@ -104,8 +113,8 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg.dim, cfg.ffn_dim)
         self.post_ffn_norm = RMSNorm(cfg.dim, cfg.post_norm_eps)
 
-    def forward(self, x, positions, seq_slots, attend: AttendFn):
-        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, seq_slots, attend))
+    def forward(self, x, positions, seq_slots, attend: AttendFn, rope=None):
+        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, seq_slots, attend, rope))
         return x + self.post_ffn_norm(self.ffn(self.ffn_norm(x)))
 
 
@@ -132,11 +141,13 @@ class MuseGlimmer(nn.Module):
         """-> logits [R, V] fp32 and, when `taps` is given, hidden [N, len(taps) * dim]:
         the residual stream entering each tapped layer, concatenated in `taps` order."""
         x = self.embed(tokens)
+        rope_layers = [layer.attn for layer in self.layers if layer.attn.use_rope]
+        rope = rope_tables(positions, rope_layers[0].inv_freq) if rope_layers else None
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in taps:
                 tapped[i] = x
-            x = layer(x, positions, seq_slots, attend)
+            x = layer(x, positions, seq_slots, attend, rope)
         hidden = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return self.logits(x.index_select(0, logits_rows)), hidden
 
