@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mg.export.config import PRESETS, MuseGlimmerConfig
-from mg.export.model import MuseGlimmer, init_random, rms_norm_noweight, rope_interleaved
+from mg.export.model import MuseGlimmer, init_random, rms_norm_noweight, rope_interleaved, rope_tables
 from mg.export.reference import ReferenceKV, dense_attend
 
 
@@ -108,3 +108,30 @@ def test_embedding_is_normalised(tiny_model):
     e = tiny_model.embed(torch.tensor([5, 7]))
     torch.testing.assert_close(e, rms_norm_noweight(tiny_model.tok_embeddings.weight[[5, 7]], 1e-5))
     assert torch.allclose(e.pow(2).mean(-1), torch.ones(2), atol=1e-3)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layer_id", [0, 1])  # TINY: layer 0 is a RoPE ring layer, layer 1 a NoPE global one
+def test_joint_q_k_norm_and_rotation_equal_separate_ones(tiny_model, layer_id):
+    """The layer normalises and rotates q and k as one tensor, with RoPE tables computed once per forward;
+    the attend backend must receive what per-tensor norms and rotations from the positions give."""
+    attn, cfg = tiny_model.layers[layer_id].attn, tiny_model.cfg
+    assert attn.use_rope == (not cfg.is_global(layer_id))
+    x = torch.randn(6, cfg.dim, generator=torch.Generator().manual_seed(5))
+    positions = torch.tensor([0, 1, 2, 40, 41, 7])
+    seen = {}
+
+    def attend(q, k, v, pos, slots, lid, scale):
+        seen.update(q=q, k=k, v=v)
+        return q
+
+    tables = rope_tables(positions, attn.inv_freq)
+    attn(x, positions, torch.zeros(6, dtype=torch.long), attend, tables)
+    q, k, v, _ = attn.qkvg_proj(x).split(attn.split_sizes(), dim=-1)
+    q = rms_norm_noweight(q.unflatten(-1, (cfg.n_heads, cfg.head_dim)), cfg.norm_eps)
+    k = rms_norm_noweight(k.unflatten(-1, (cfg.n_kv_heads, cfg.head_dim)), cfg.norm_eps)
+    if attn.use_rope:
+        q, k = rope_interleaved(q, positions, attn.inv_freq), rope_interleaved(k, positions, attn.inv_freq)
+    torch.testing.assert_close(seen["q"], q, atol=0, rtol=0)
+    torch.testing.assert_close(seen["k"], k, atol=0, rtol=0)
+    torch.testing.assert_close(seen["v"], v.unflatten(-1, (cfg.n_kv_heads, cfg.head_dim)), atol=0, rtol=0)
