@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -106,10 +106,18 @@ DRAFT_PRESETS: dict[str, DFlashConfig] = {
 }
 
 
-def rope_neox(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Half-split rotation: (x[i], x[i + D/2]) by positions * inv_freq[i], in fp32. x [..., H, D], positions [...]."""
+def rope_neox_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., 1, D/2] (fp32) of positions [...] * inv_freq: computed once per call of a drafter method
+    and shared by its layers, for q and k alike."""
     ang = positions.float()[..., None] * inv_freq  # [..., D/2]
-    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]
+    return ang.cos()[..., None, :], ang.sin()[..., None, :]
+
+
+def rope_neox(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+              tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """Half-split rotation: (x[i], x[i + D/2]) by positions * inv_freq[i], in fp32. x [..., H, D], positions [...];
+    `tables` are `rope_neox_tables(positions, inv_freq)` when the caller has them."""
+    cos, sin = rope_neox_tables(positions, inv_freq) if tables is None else tables
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -128,20 +136,21 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
-    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] (normed) -> q [..., Hq, D], normed and rotated."""
+    def project_q(self, x: torch.Tensor, positions: torch.Tensor, rope=None) -> torch.Tensor:
+        """x [..., dim] (normed) -> q [..., Hq, D], normed and rotated (`rope`: the method's shared tables)."""
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim)))
-        return rope_neox(q, positions, self.inv_freq)
+        return rope_neox(q, positions, self.inv_freq, rope)
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., dim] -> k (normed, rotated), v [..., Hkv, D]. Used for block rows and context rows alike."""
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim)))
         v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
-        return rope_neox(k, positions, self.inv_freq), v
+        return rope_neox(k, positions, self.inv_freq, rope), v
 
-    def forward(self, x, positions, seq_slots, attend: DraftAttendFn) -> torch.Tensor:
-        q = self.project_q(x, positions)
-        k, v = self.project_kv(x, positions)
+    def forward(self, x, positions, seq_slots, attend: DraftAttendFn, rope=None) -> torch.Tensor:
+        rope = rope_neox_tables(positions, self.inv_freq) if rope is None else rope
+        q = self.project_q(x, positions, rope)
+        k, v = self.project_kv(x, positions, rope)
         out = attend(q, k, v, positions, seq_slots, self.layer_id, self.scale)
         return self.o_proj(out.flatten(-2))
 
@@ -167,8 +176,8 @@ class DraftLayer(nn.Module):
         self.ffn_norm = RMSNorm(dim, cfg.norm_eps)
         self.ffn = DraftFeedForward(dim, cfg.ffn_dim)
 
-    def forward(self, x, positions, seq_slots, attend: DraftAttendFn) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, seq_slots, attend)
+    def forward(self, x, positions, seq_slots, attend: DraftAttendFn, rope=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, seq_slots, attend, rope)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -193,16 +202,18 @@ class DFlashDraft(nn.Module):
         layer's call (so export keeps them all)."""
         ctx = self.context(hidden)
         ack = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        rope = rope_neox_tables(positions, self.layers[0].attn.inv_freq)
         for layer in self.layers:
-            k, v = layer.attn.project_kv(ctx, positions)
+            k, v = layer.attn.project_kv(ctx, positions, rope)
             ack = ack + append(k, v, positions, seq_slots, layer.attn.layer_id)[:, 0, 0].float()
         return ack
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,
                 attend: DraftAttendFn) -> torch.Tensor:
         """x [B, T, dim] embedded block rows, positions [B, T], seq_slots [B] -> final-normed rows [B, T, dim]."""
+        rope = rope_neox_tables(positions, self.layers[0].attn.inv_freq)
         for layer in self.layers:
-            x = layer(x, positions, seq_slots, attend)
+            x = layer(x, positions, seq_slots, attend, rope)
         return self.norm(x)
 
     def block_logits(self, tokens: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,
