@@ -16,7 +16,7 @@ Reproducible: fixed seeds, sorted files, a seeded batch order and deterministic 
 phases run a fixed number of steps; `--time-budget-s` stops them early by wall time (the report says so).
 `--keep-best` keeps the target weights of its lowest held-out probe loss instead of the last ones.
 
-    python scripts/train_tiny.py --out out/embedded --check-repro    # the shipped default: one H200, 314 s
+    python scripts/train_tiny.py --out out/embedded --check-repro    # the shipped default: one H200, 338 s
     python scripts/train_tiny.py --out /tmp/smoke --smoke                                # CPU, toy scale
 
 Knows the model only through mg.export (model, drafter, checkpoint format); knows nothing about
@@ -92,11 +92,14 @@ class Settings:
     keep_best: bool = False        # keep the target weights of the evaluation step with the lowest held-out loss
     target_batch: int = 32
     target_lr: float = 2e-3
+    draft_layers: int = 3
+    draft_ffn_dim: int = 768
+    draft_kd: float = 0.5          # weight of the soft-label term (cross-entropy to the target's distribution)
     draft_steps: int = 5000
     draft_batch: int = 32
     draft_lr: float = 2e-3
     anchors_per_seq: int = 16
-    rollouts: int = 32768          # the drafter's training text: the target's own greedy continuations ...
+    rollouts: int = 65536          # the drafter's training text: the target's own greedy continuations ...
     rollout_len: int = 384         # ... of this many tokens in all (prompt + continuation) ...
     rollout_prompts: tuple[int, ...] = (16, 32, 64, 128, 192)  # ... after <bos> + a training window's first P - 1
     rollout_batch: int = 2048      # sequences generated at once
@@ -117,7 +120,8 @@ class Settings:
 
 
 SMOKE = dict(vocab_size=512, seq_len=128, max_corpus_bytes=1_200_000, target_steps=120, target_batch=8,
-             target_lr=3e-3, draft_steps=80, draft_batch=8, draft_lr=3e-3, anchors_per_seq=4, warmup_steps=10,
+             target_lr=3e-3, draft_ffn_dim=128, draft_steps=80, draft_batch=8, draft_lr=3e-3, anchors_per_seq=4,
+             warmup_steps=10,
              rollouts=64, rollout_len=96, rollout_prompts=(16, 40), rollout_batch=32, eval_prompt_count=6,
              eval_new_tokens=24,
              log_every=10, eval_every=40, probe_chunks=16, eval_max_chunks=32, accept_chunks=8,
@@ -138,12 +142,12 @@ def target_config(s: Settings, vocab_size: int) -> MuseGlimmerConfig:
 
 
 def draft_config(s: Settings, target: MuseGlimmerConfig) -> DFlashConfig:
-    """2 drafter layers at the target's dim; 3 taps spread over the target (entering layers 1, 3, 5 of 6)."""
+    """`draft_layers` drafter layers at the target's dim and head shape; 3 taps spread over the target (entering
+    layers 1, 3, 5 of 6)."""
     taps = tuple(sorted({round(1 + i * (target.n_layers - 2) / 2) for i in range(3)}))
-    heads = dict(n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128) if s.smoke else \
-        dict(n_heads=6, n_kv_heads=2, head_dim=64, ffn_dim=1152)
-    return DFlashConfig(n_layers=2, block_size=16, mask_token_id=MASK_ID, target_layers=taps, rope_theta=10000.0,
-                        **heads)
+    heads = dict(n_heads=4, n_kv_heads=2, head_dim=16) if s.smoke else dict(n_heads=6, n_kv_heads=2, head_dim=64)
+    return DFlashConfig(n_layers=s.draft_layers, block_size=16, mask_token_id=MASK_ID, target_layers=taps,
+                        rope_theta=10000.0, ffn_dim=s.draft_ffn_dim, **heads)
 
 
 def parse_settings(argv: Optional[list[str]]) -> Settings:
@@ -161,11 +165,19 @@ def parse_settings(argv: Optional[list[str]]) -> Settings:
     p.add_argument("--keep-best", action="store_true",
                    help="keep the target weights of the held-out-best evaluation step (it overfits past ~900 steps)")
     p.add_argument("--draft-steps", type=int, default=None)
+    p.add_argument("--draft-layers", type=int, default=None)
+    p.add_argument("--draft-ffn-dim", type=int, default=None)
+    p.add_argument("--draft-kd", type=float, default=None,
+                   help="weight in [0, 1] of the soft-label loss (cross-entropy to the target's next-token "
+                        "distribution); the hard greedy labels get 1 - it")
     a = p.parse_args(argv)
+    if a.draft_kd is not None and not 0.0 <= a.draft_kd <= 1.0:
+        p.error(f"--draft-kd must lie in [0, 1], got {a.draft_kd}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     s = Settings(out=a.out, device=device, seed=a.seed, time_budget_s=a.time_budget_s, check_repro=a.check_repro,
                  keep_best=a.keep_best, **(SMOKE if a.smoke else {}), smoke=a.smoke)
-    overrides = {k: v for k, v in (("target_steps", a.target_steps), ("draft_steps", a.draft_steps)) if v is not None}
+    overrides = {k: getattr(a, k) for k in ("target_steps", "draft_steps", "draft_layers", "draft_ffn_dim", "draft_kd")
+                 if getattr(a, k) is not None}
     return dataclasses.replace(s, **overrides)
 
 
@@ -381,17 +393,27 @@ def position_weights(block_size: int, device) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / 7.0)
 
 
-def draft_loss(draft: DFlashDraft, target: MuseGlimmer, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+def draft_loss(draft: DFlashDraft, target: MuseGlimmer, tokens: torch.Tensor, anchors: torch.Tensor,
+               kd: float = 0.0) -> torch.Tensor:
     """tokens [B, T], anchors [B, K] -> position-weighted cross-entropy of the block proposals against the tokens
-    that follow each anchor, with the target frozen (its tapped residuals are computed without gradients)."""
-    with torch.no_grad():
-        _, hidden = packed_forward(target, tokens, torch.zeros(1, dtype=torch.long, device=tokens.device),
-                                   draft.cfg.target_layers)
+    that follow each anchor, with the target frozen (its tapped residuals are computed without gradients).
+    kd > 0 mixes in the cross-entropy to the target's own next-token distribution at each block position (soft
+    labels): (1 - kd) * hard + kd * soft."""
     blk_tok, blk_pos = block_inputs(tokens, anchors, draft.cfg)
-    logits = draft_train_logits(draft, hidden.view(*tokens.shape, -1), blk_tok, blk_pos,
+    b, t = tokens.shape
+    # the target's logits predicting each block position (from the row before it), only when they are used
+    rows = (blk_pos[..., :-1] + torch.arange(b, device=tokens.device)[:, None, None] * t).flatten() if kd > 0 \
+        else torch.zeros(1, dtype=torch.long, device=tokens.device)
+    with torch.no_grad():
+        t_logits, hidden = packed_forward(target, tokens, rows, draft.cfg.target_layers)
+    logits = draft_train_logits(draft, hidden.view(b, t, -1), blk_tok, blk_pos,
                                 target.tok_embeddings.weight.detach(), target.output.weight.detach())
     labels = tokens.gather(1, blk_pos[..., 1:].flatten(1)).view(blk_pos[..., 1:].shape)
     ce = F.cross_entropy(logits.flatten(0, 2), labels.reshape(-1), reduction="none").view(labels.shape)
+    if kd > 0:
+        soft = torch.softmax(t_logits.float(), dim=-1)
+        soft_ce = -(soft * torch.log_softmax(logits.flatten(0, 2), dim=-1)).sum(-1).view(labels.shape)
+        ce = (1.0 - kd) * ce + kd * soft_ce
     w = position_weights(draft.cfg.block_size, ce.device)
     return (ce * w).sum(-1).mean() / w.sum()
 
@@ -626,7 +648,7 @@ def train_draft(dcfg: DFlashConfig, target: MuseGlimmer, rollouts: torch.Tensor,
     def loss_fn(step: int) -> torch.Tensor:
         idx = next(order)
         anchors = sample_anchors(starts[idx], s.anchors_per_seq, rollouts.shape[1], dcfg.block_size, gen)
-        return draft_loss(draft, target, rollouts[idx.to(rollouts.device)], anchors.to(s.device))
+        return draft_loss(draft, target, rollouts[idx.to(rollouts.device)], anchors.to(s.device), s.draft_kd)
 
     spec = LoopSpec("draft", s.draft_steps, s.draft_lr, clock.stop_at(DRAFT_STOP_FRACTION))
     return draft.eval(), train_loop(draft, loss_fn, spec, s, clock)
@@ -789,6 +811,11 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
         ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+def _loss_mix(kd: float) -> str:
+    hard = "cross-entropy to the rollout's tokens"
+    return hard if kd == 0 else f"{1 - kd:g} x {hard} + {kd:g} x cross-entropy to the target's next-token distribution"
+
+
 def render_markdown(r: dict) -> str:
     t, d, acc, win = r["target"], r["draft"], r["draft"]["eval"], r["draft"]["eval_windows"]
     lines = [f"# train_tiny report ({'smoke' if r['settings']['smoke'] else 'full'})", "",
@@ -807,8 +834,11 @@ def render_markdown(r: dict) -> str:
             f"windows, every {r['settings']['eval_every']} steps" if r["settings"]["keep_best"] else "")
     lines += ["", f"Target held-out: loss {t['heldout_loss']} nats/token, perplexity {t['heldout_ppl']} "
                   f"({t['heldout_tokens']} predictions{kept}).", "",
-              f"Drafter (block {d['config']['block_size']}), trained on {d['rollouts']['count']} greedy rollouts of the "
-              f"target ({d['rollouts']['tokens']} tokens each, prompts of {d['rollouts']['prompt_tokens']} tokens):", "",
+              f"Drafter (block {d['config']['block_size']}, {d['config']['n_layers']} layers, FFN "
+              f"{d['config']['ffn_dim']}, taps {d['config']['target_layers']}), trained on {d['rollouts']['count']} "
+              f"greedy rollouts of the target ({d['rollouts']['tokens']} tokens each, prompts of "
+              f"{d['rollouts']['prompt_tokens']} tokens); its loss is {_loss_mix(r['settings'].get('draft_kd', 0.0))}:",
+              "",
               f"- held-out prompts (the DFlash loop replayed on the target's greedy text, {acc['new_tokens']} new tokens "
               f"per prompt): mean acceptance length **{acc['acceptance_length_mean']}** over {acc['rounds']} rounds of "
               f"{acc['prompts']} prompts;",

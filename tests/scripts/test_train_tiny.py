@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mg.export.checkpoint import load_config, load_state
 from mg.export.config import TINY, MuseGlimmerConfig
@@ -81,6 +82,30 @@ def test_drafter_training_path_matches_draft_block_ref(tiny_model, window):
         for j, a in enumerate(anchors[b].tolist()):
             want = draft_block_ref(draft, embed, head, hidden[b], torch.arange(30), int(tokens[b, a]), a)
             torch.testing.assert_close(got[b, j], want, atol=1e-4, rtol=1e-4)
+
+
+def test_draft_loss_mixes_hard_labels_with_the_targets_next_token_distribution(tiny_model):
+    """kd weighs the cross-entropy to the target's softmax at the row before each block position (the row that
+    predicts it) against the cross-entropy to the text's token; checked against a full-sequence target forward."""
+    cfg = DRAFT_PRESETS["tiny"]
+    draft = init_random(DFlashDraft(cfg, TINY), 4).eval()
+    tokens = torch.randint(4, TINY.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
+    anchors = torch.tensor([[2, 11, 20], [5, 13, 22]])
+    embed, head = tiny_model.tok_embeddings.weight, tiny_model.output.weight
+    with torch.no_grad():
+        full, hidden = tt.packed_forward(tiny_model, tokens, None, cfg.target_layers)
+        blk_tok, blk_pos = tt.block_inputs(tokens, anchors, cfg)
+        logits = tt.draft_train_logits(draft, hidden.view(2, 30, -1), blk_tok, blk_pos, embed, head)
+        labels = torch.stack([tokens[b, blk_pos[b, :, 1:]] for b in range(2)])
+        hard = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+        teacher = torch.stack([full.view(2, 30, -1)[b, blk_pos[b, :, :-1]] for b in range(2)]).softmax(-1)
+        soft = -(teacher * logits.log_softmax(-1)).sum(-1)
+        w = tt.position_weights(cfg.block_size, "cpu")
+        got = {kd: float(tt.draft_loss(draft, tiny_model, tokens, anchors, kd)) for kd in (0.0, 0.3, 1.0)}
+    for kd, value in got.items():
+        want = (((1 - kd) * hard + kd * soft) * w).sum(-1).mean() / w.sum()
+        assert value == pytest.approx(float(want), rel=1e-5), kd
+    assert abs(got[1.0] - got[0.0]) > 1e-3  # the two terms differ, so a kd that was ignored would show
 
 
 def test_cached_greedy_generation_matches_the_reference_generator(tiny_model):
