@@ -9,6 +9,8 @@ graph. The fast kernels (Triton) are checked against these.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -59,15 +61,17 @@ def attend_columns_ref(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Te
 
 
 def attend_cells_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cell_table: torch.Tensor,
-                     positions: torch.Tensor, seq_slots: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+                     positions: torch.Tensor, seq_slots: torch.Tensor, window: int, scale: float,
+                     max_span: Optional[int] = None) -> torch.Tensor:
     """kBatchedCell read side.
 
     k_pool/v_pool [cells, Hkv, D]; cell_table [slots, capacity] int64 maps a
     sequence's position to its cell (the ordered cell list of that sequence), so
-    a query gathers only its own sequence's cells.
+    a query gathers only its own sequence's cells. `max_span` (default: the
+    capacity) bounds the keys gathered per query; it must exceed every query position.
     """
-    capacity = cell_table.shape[1]
-    span = min(window, capacity) if window > 0 else capacity
+    limit = cell_table.shape[1] if max_span is None else min(max_span, cell_table.shape[1])
+    span = min(window, limit) if window > 0 else limit
     key_pos, valid = key_span(positions, window, span)
     cells = cell_table[seq_slots[:, None].expand_as(key_pos), key_pos]
     return attend_gathered_ref(q, k_pool[cells], v_pool[cells], valid, scale)

@@ -35,7 +35,7 @@ class CacheMetrics:
     lengths: tuple[int, ...]  # committed length of each usable slot [n_slots]
     bytes_allocated: int  # K/V storage of every layer (and the cell table)
     growth_count: int  # storage reallocations so far
-    storage_version: int  # bumps whenever storage tensors move (CUDA graphs recapture)
+    storage_version: int  # bumps whenever storage tensors move or read shapes grow (CUDA graphs recapture)
     rows: Optional[tuple[int, ...]] = None  # sequence layout: rows per layer now
     cells_used: Optional[int] = None  # cell layout: cells owned by at least one sequence
     cells_free: Optional[int] = None  # cell layout: cells free for placement

@@ -10,8 +10,15 @@ Cells carry reference counts: clone shares cells, rewind and release drop
 ownership (a cell is freed when no owner is left), and a write into a shared
 position takes a new cell for the writer only (copy-on-write of that position).
 
-Pools are allocated whole at construction (max_cells is the declared budget),
-so this layout never grows and storage_version stays 0.
+Pools are allocated whole at construction (max_cells is the declared budget)
+and never move. What grows is the read span: a read gathers the keys of the
+`read_span` positions below a query (all of them for global layers), and that
+span doubles, up to the capacity, when a step declares a position beyond it.
+Like the sequence layout's rows, it keeps the torch reference and the drafter's
+context read from gathering `capacity` keys for short sequences; a captured
+CUDA graph bakes the span in, so growing it bumps storage_version once a
+reader has used it (the Triton kernel does not: with it, the target's graphs
+are never recaptured for the span; the drafter's context read does).
 
 The read side is the Triton kernel (`attend_cells_triton`) when `use_triton` (by
 default: on CUDA with Triton available), else the torch reference.
@@ -40,7 +47,7 @@ class BatchedCellCache(KVCache):
     layout = LAYOUT_CELL
 
     def __init__(self, spec: KVSpec, device: Union[str, torch.device], n_slots: Optional[int] = None,
-                 use_triton: Optional[bool] = None):
+                 use_triton: Optional[bool] = None, initial_span: int = 64):
         n_slots = min(spec.max_cells, 64) if n_slots is None else n_slots
         if n_slots < 1:
             raise CacheError(f"n_slots={n_slots} for the cell layout; allowed: an integer >= 1")
@@ -56,6 +63,8 @@ class BatchedCellCache(KVCache):
         self._cells: list[list[int]] = [[] for _ in range(n_slots + 1)]  # per slot: position -> cell
         self._refs = [0] * self.max_cells
         self._free = list(range(self.max_cells))  # a heap: the lowest free cell is _free[0]
+        self.read_span = min(max(1, initial_span), spec.capacity)  # > every declared position
+        self._span_read = False  # a read has used read_span: growing it must invalidate captured graphs
 
     def _zeros(self, n_kv_heads: int, head_dim: int) -> torch.Tensor:
         # Zeros, not empty: every key a query reads is written first, but a stray read of a fresh row stays finite.
@@ -84,13 +93,18 @@ class BatchedCellCache(KVCache):
         return self._k[layer_id][cells], self._v[layer_id][cells]
 
     def max_span(self, layer_id: int) -> int:
-        return self.capacity
+        self._span_read = True
+        return self.read_span
 
     def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         self.write(k, v, positions, seq_slots, layer_id)
         k_pool, v_pool = self._k[layer_id], self._v[layer_id]
         attend = triton_attention.attend_cells_triton if self.use_triton else attend_cells_ref
-        return attend(q, k_pool, v_pool, self.cell_table, positions, seq_slots, self._windows[layer_id], scale)
+        if self.use_triton:  # the kernel bounds each query's loop by its own position
+            return attend(q, k_pool, v_pool, self.cell_table, positions, seq_slots, self._windows[layer_id], scale)
+        self._span_read = True
+        return attend(q, k_pool, v_pool, self.cell_table, positions, seq_slots, self._windows[layer_id], scale,
+                      self.read_span)
 
     # ------------------------------------------------------------------ hooks
 
@@ -106,6 +120,11 @@ class BatchedCellCache(KVCache):
         return pos < len(cells) and cells[pos] >= 0 and self._refs[cells[pos]] == 1
 
     def _apply_step(self, plan: StepPlan) -> None:
+        need = max((last + 1 for _, last in plan.spans.values()), default=0)
+        if need > self.read_span:
+            while self.read_span < need:
+                self.read_span = min(2 * self.read_span, self.capacity)
+            self._version += self._span_read
         for slot, (_, last) in plan.spans.items():
             cells = self._cells[slot]
             cells.extend([-1] * (last + 1 - len(cells)))  # placeholders, all filled below

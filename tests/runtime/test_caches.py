@@ -38,11 +38,12 @@ def kv_spec(cfg: MuseGlimmerConfig, layout: str, capacity: int = 48, max_write: 
 
 def new_cache(cfg: MuseGlimmerConfig, layout: str, initial_rows: int = 2, device: str = "cpu",
               **spec_kw) -> KVCache:
-    """Sequence caches start at 2 rows so the schedules grow flat columns and rings."""
+    """Sequence caches start at 2 rows and cell caches at a read span of 2 positions, so the schedules grow
+    flat columns, rings and spans."""
     spec = kv_spec(cfg, layout, **spec_kw)
     if layout == LAYOUT_SEQUENCE:
         return BatchedSequenceCache(spec, device, initial_rows=initial_rows)
-    return BatchedCellCache(spec, device, n_slots=N_SLOTS)
+    return BatchedCellCache(spec, device, n_slots=N_SLOTS, initial_span=initial_rows)
 
 
 def random_qkvs(cfg: MuseGlimmerConfig, n: int, gen: torch.Generator, magnitude: float = 1.0):
@@ -199,6 +200,26 @@ def test_flat_doubling_keeps_contents_and_bumps_storage_version():
     assert grown.rows(FLAT) == 32  # 2 -> 4 -> 8 -> 16 -> 32
     assert fixed.metrics().growth_count == fixed.storage_version() == 0
     assert grown.metrics().growth_count == grown.storage_version() > 0
+
+
+def test_cell_read_span_doubles_reads_the_same_keys_and_bumps_version_once_read():
+    cfg = tiny_cfg(4)
+    grown, whole = new_cache(cfg, LAYOUT_CELL, initial_rows=2), new_cache(cfg, LAYOUT_CELL, initial_rows=48)
+    assert grown.read_span == 2 and whole.read_span == 48 == whole.capacity
+    grown.declare_step(torch.arange(5), torch.zeros(5, dtype=torch.int64))  # grows 2 -> 8 before any read
+    assert grown.read_span == 8 and grown.storage_version() == 0
+    grown.rewind(0, 0)
+    gen, pos = torch.Generator().manual_seed(15), 0
+    for n in (3, 1, 5, 8, 1, 1, 8, 2):
+        rows = [(0, pos + j) for j in range(n)] + [(1, j) for j in range(min(n, 2))] * (pos == 0)
+        span_before, version_before = grown.read_span, grown.storage_version()
+        qkvs = random_qkvs(cfg, len(rows), gen)
+        assert_outputs_equal(step(grown, rows, qkvs), step(whole, rows, qkvs), f"positions {pos}..{pos + n - 1}")
+        pos += n
+        assert grown.read_span >= pos
+        assert (grown.storage_version() > version_before) == (grown.read_span > span_before)
+    assert grown.read_span == 32 and grown.max_span(FLAT) == 32  # 8 -> 16 -> 32
+    assert whole.storage_version() == 0 and whole.metrics().growth_count == grown.metrics().growth_count == 0
 
 
 def test_ring_growth_after_wrap_replaces_positions_at_new_rows():
