@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -125,6 +126,7 @@ class Program:
         self.fold_constants = fold_constants
         self._program = program
         self._bindings: dict[str, Optional[Callable]] = dict(custom_ops or {})
+        self._local = threading.local()  # .ops: the table of the `run` in progress on this thread
         self._weights: dict[int, torch.Tensor] = {}  # data_buffer_idx -> tensor on device
         self._methods = {plan.name: self._build(plan) for plan in program.execution_plan}
         self._check_dtype(dtype)
@@ -148,11 +150,15 @@ class Program:
         return self._method(method_name).info
 
     def bind(self, op_name: str, fn: Optional[Callable]) -> None:
-        """Serve custom op `op_name` (declared in `custom_ops`) with `fn` from now on; None unbinds it."""
+        """Serve custom op `op_name` (declared in `custom_ops`) with `fn` by default; None unbinds it.
+        A caller that shares the program with others passes its own table to `run(..., ops=)` instead."""
+        self._check_declared(op_name)
+        self._bindings[op_name] = fn
+
+    def _check_declared(self, op_name: str) -> None:
         if op_name not in self._bindings:
             raise ProgramError(f"{self.source}: custom op {op_name!r} was not declared; declared: "
                                f"{', '.join(sorted(self._bindings)) or 'none'}")
-        self._bindings[op_name] = fn
 
     def constant(self, name: str) -> int | list[int]:
         """The value of a constant method (no inputs): an int, or a list of ints."""
@@ -162,11 +168,16 @@ class Program:
         out = self.run(name, [])
         return list(out) if m.list_output else out[0]
 
-    def run(self, method_name: str, inputs: Sequence[Any]) -> list:
+    def run(self, method_name: str, inputs: Sequence[Any], ops: Optional[dict[str, Callable]] = None) -> list:
+        """Execute a method. `ops` serves the custom ops for this call (it must cover every custom op the
+        method uses); without it the defaults from `custom_ops` / `bind` serve them. Several callers can
+        share one loaded program, each with its own caches, by passing their own `ops`."""
         m = self._method(method_name)
-        unbound = [n for n in m.custom_ops if self._bindings[n] is None]
+        table = self._bindings if ops is None else ops
+        unbound = [n for n in m.custom_ops if table.get(n) is None]
         if unbound:
-            raise ProgramError(f"method {method_name!r}: custom op {unbound[0]!r} is not bound; call bind() first")
+            raise ProgramError(f"method {method_name!r}: custom op {unbound[0]!r} is not bound; pass it in ops= "
+                               f"or call bind() first")
         if len(inputs) != len(m.inputs):
             raise ProgramError(f"method {method_name!r} takes {len(m.inputs)} inputs; got {len(inputs)}")
         vals = list(m.template)
@@ -176,14 +187,19 @@ class Program:
                 if x.device != self.device:
                     x = x.to(self.device, non_blocking=True)
             vals[idx] = x
-        if m.straight:
-            for step in m.steps:
-                step(vals)
-        else:
-            pc, steps, n = 0, m.steps, len(m.steps)
-            while pc < n:
-                nxt = steps[pc](vals)
-                pc = pc + 1 if nxt is None else nxt
+        local = self._local
+        previous, local.ops = getattr(local, "ops", None), table
+        try:
+            if m.straight:
+                for step in m.steps:
+                    step(vals)
+            else:
+                pc, steps, n = 0, m.steps, len(m.steps)
+                while pc < n:
+                    nxt = steps[pc](vals)
+                    pc = pc + 1 if nxt is None else nxt
+        finally:
+            local.ops = previous
         return [vals[i] for i in m.outputs]
 
     # -- loading --------------------------------------------------------------------------------------
@@ -322,8 +338,8 @@ class Program:
 
     def _resolve(self, plan, op) -> ops.OpBinding:
         if op.name in self._bindings:
-            table, key = self._bindings, op.name
-            binding = ops.custom_binding(op.name, op.overload, lambda *a: table[key](*a))
+            local, key = self._local, op.name
+            binding = ops.custom_binding(op.name, op.overload, lambda *a: local.ops[key](*a))
             if binding is None:
                 raise ProgramError(f"{self.source}: method {plan.name!r} uses custom op {_qualified(op)!r}, whose "
                                    f"schema is not registered with torch (import the package that defines it)")
