@@ -2,8 +2,8 @@
 
 A `GraphRunner` serves one program method on CUDA. Per bucket (the padded size of the
 method's leading dimension) it warms the method up once on padding-only inputs, captures
-`Program.run(method, static_inputs)` in a CUDA graph, and from then on copies each call's
-(already padded) inputs into the static buffers and replays. A capture remembers the
+`call(static_inputs)` (the method run with its caller's op bindings) in a CUDA graph, and from
+then on copies each call's (already padded) inputs into the static buffers and replays. A capture remembers the
 storage version of the cache it reads (`version()`); when the cache moved its storage
 (growth), the graph is captured again (a recapture) before the next replay.
 
@@ -14,12 +14,12 @@ next replay of the same runner (outputs are static buffers that the next replay 
 Also here: the one decision "Triton attention or the torch reference" for a cache on a
 device, which says why once when CUDA has to fall back.
 
-Knows torch.cuda and the `Program` API; must not know models, caches' internals, the
-scheduler or mg.export.
+Knows torch.cuda; must not know programs, models, caches' internals, the scheduler or mg.export.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -111,12 +111,11 @@ class _Captured:
 class GraphRunner:
     """Captures one method per bucket and replays it; see the module docstring."""
 
-    def __init__(self, program, method: str, blank: Callable[[int], list], version: Callable[[], int],
+    def __init__(self, call: Callable[[list], list], blank: Callable[[int], list], version: Callable[[], int],
                  counters: GraphCounters):
-        """`blank(bucket)` returns padding-only device inputs of that bucket (they must be harmless to run:
-        scratch slot, position 0); `version()` the storage version of the cache the method reads."""
-        self.program = program
-        self.method = method
+        """`call(inputs)` runs the method; `blank(bucket)` returns padding-only device inputs of that bucket
+        (harmless to run: scratch slot, position 0); `version()` the storage version of the cache it reads."""
+        self.call = call
         self.blank = blank
         self.version = version
         self.counters = counters
@@ -152,16 +151,24 @@ class GraphRunner:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy inits and Triton compiles happen outside the capture
-            self.program.run(self.method, inputs)
+            self.call(inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            previous = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")  # a host sync in the method is a bug: fail loudly
-            try:
-                outputs = self.program.run(self.method, inputs)
-            finally:
-                torch.cuda.set_sync_debug_mode(previous)
+        # Python's cyclic GC must not run during the capture: collecting a dropped engine destroys its CUDA
+        # graphs, and destroying a graph while another stream captures invalidates that capture.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                previous = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")  # a host sync in the method is a bug: fail loudly
+                try:
+                    outputs = self.call(inputs)
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self.counters.captures += 1
         if bucket in self._ever:
             self.counters.recaptures += 1
