@@ -16,12 +16,13 @@ from typing import Optional
 import torch
 
 import mg.kernels  # noqa: F401  (registers the mg:: op schemas the program names)
+from mg.kernels.ops import op_names
 from mg.manifests import Manifest, ManifestError, constants as C, read_manifest
 from mg.manifests.values import draft_constant_values, sha256_file, target_constant_values
 
 from .program import Program, ProgramError
 
-CUSTOM_OPS = ("mg::update_and_attend", "mg::draft_append", "mg::draft_attend")
+CUSTOM_OPS = op_names()  # bound per model runner to its own caches
 
 
 class ArtifactError(ValueError):

@@ -1,4 +1,4 @@
-"""The protocol shared by the runtime-owned off-graph KV caches (ARCHITECTURE.md section 5).
+"""The protocol shared by the runtime-owned off-graph KV caches (docs/ARCHITECTURE.md section 5).
 
 Holds what both layouts agree on: the error type, the metrics record, the
 committed lengths (a host mirror and a device tensor), admission control for a
@@ -56,7 +56,7 @@ def _check_index_tensor(name: str, t: torch.Tensor) -> None:
 
 
 class KVCache(abc.ABC):
-    """Common state and admission control; see ARCHITECTURE.md section 5 for the contract."""
+    """Common state and admission control; see docs/ARCHITECTURE.md section 5 for the contract."""
 
     layout: str = ""
 

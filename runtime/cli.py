@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from .config import SPECULATION_ADAPTIVE, SPECULATION_POLICIES, RunConfig
 from .sampling import SamplingParams
 
 
@@ -46,13 +47,19 @@ def _write_output(records: list[dict], output: Path | None) -> None:
 @click.option("--kv-layout", type=str, default=None, help="Must match the artifact (fixed at export).")
 @click.option("--no-dflash", is_flag=True, help="Target-only decoding even when the artifact has a drafter.")
 @click.option("--draft-block", type=int, default=None,
-              help="Rows verified per DFlash round (2 .. the exported block size) [default: the exported one].")
+              help="The most rows verified per DFlash round: the pending token + drafts (2 .. the exported block "
+                   "size) [default: the exported one].")
+@click.option("--speculation", type=click.Choice(SPECULATION_POLICIES), default=SPECULATION_ADAPTIVE,
+              show_default=True,
+              help="adaptive: each round, each sequence drafts only as many tokens as pay for themselves (from "
+                   "measured step costs and its acceptance so far; 0 = a plain decode step); fixed: always "
+                   "draft-block - 1 drafts.")
 @click.option("--no-cuda-graphs", is_flag=True,
               help="With --device cuda: run every step eagerly instead of replaying CUDA graphs (for comparison).")
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Output JSONL [default: stdout].")
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
 def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, kv_layout,
-         no_dflash, draft_block, no_cuda_graphs, output, stats_json):
+         no_dflash, draft_block, speculation, no_cuda_graphs, output, stats_json):
     """Serve the prompts of ARTIFACT (an mg-export directory) and write one JSON line per request."""
     if not prompts and input_path is None:
         click.echo(click.get_current_context().get_help(), err=True)
@@ -74,8 +81,9 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
     from .serve import ServeError, serve
 
     try:
-        records, summary = serve(artifact, prompts, input_path, max_new_tokens, params, device, kv_layout,
-                                 dflash=not no_dflash, draft_block=draft_block, cuda_graphs=not no_cuda_graphs)
+        config = RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, dflash=not no_dflash,
+                           draft_block=draft_block, speculation=speculation)
+        records, summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, kv_layout)
     except ServeError as e:
         _die(str(e))
     _write_output(records, output)

@@ -1,34 +1,38 @@
-"""The generation engine: scheduler + program + KV cache + sampling, target-only decoding.
+"""The generation engine: `step` = schedule -> run -> postprocess, with or without DFlash.
 
-Each step packs decode tokens and prefill chunks (`Scheduler.schedule`), has
-the cache admit them, runs the target `forward` once, samples the rows that
-end a sequence's known tokens, and commits. The DFlash engine
-(`spec_decode.py`) reuses this class for prefill and bookkeeping.
+    schedule     the scheduler picks decoding sequences and prefill chunks; the
+                 speculative component (when the artifact has a drafter and the
+                 run config allows it) chooses each decoding sequence's drafts
+                 and proposes them
+    run          the model runner packs the step and runs the target `forward`
+                 once: verify rows ([pending, d1..dk] per decoding sequence,
+                 k = 0 being a plain decode step) first, then prefill chunks
+    postprocess  acceptance on the device for every sampled row (`spec_accept`;
+                 with no drafts it is plain sampling), one copy to the host,
+                 rejected KV rolled back, committed hidden rows handed to the
+                 drafter's context, tokens appended, finished sequences freed
 
-On CUDA (unless `cuda_graphs=False`) a step of N tokens and R logits rows is
-padded to the token bucket of max(N, R) (1, 2, 4, ... up to max_write; see
-`cuda_graphs.py`) and replayed from a CUDA graph: padding rows are token 0 at
-position 0 of the cache's scratch slot, padding logits rows read row 0, and the
-outputs are cut back to the live rows. `pad_steps=True` runs the same padding
-without graphs (how CPU tests exercise it). Knows the model only through the
-artifact; never imports mg.export.
+Greedy output is the same token for token with and without drafts, in both
+layouts, batched or alone. Knows the model only through the artifact; never
+imports mg.export. See docs/ARCHITECTURE.md section 6.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 
-from mg.manifests import constants as C
-
 from .artifact import Artifact
-from .cache_base import make_cache
-from .cuda_graphs import GraphCounters, GraphRunner, bucket_for, pad_rows, triton_enabled
-from .sampling import SamplingBatch, SamplingParams, sample
-from .scheduler import Chunk, Request, RequestError, Scheduler, Sequence
+from .config import RunConfig
+from .cuda_graphs import GraphCounters
+from .model_runner import ModelRunner
+from .sampling import SamplingBatch
+from .scheduler import Batch, Request, RequestError, Scheduler, Sequence
+from .spec_accept import accept
+from .speculative import DFlashError, Proposer, SpecStats, Speculator
 
 
 @dataclass(frozen=True)
@@ -45,151 +49,154 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     wall_s: float = 0.0
-    rounds: int = 0  # DFlash rounds
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_hist: list = field(default_factory=list)  # [a] = DFlash rounds that accepted a drafts
-    graphs: GraphCounters = field(default_factory=GraphCounters)  # CUDA-graph captures/replays/recaptures
-
-    @property
-    def graph_captures(self) -> int:
-        return self.graphs.captures
-
-    @property
-    def graph_replays(self) -> int:
-        return self.graphs.replays
-
-    @property
-    def recaptures(self) -> int:
-        return self.graphs.recaptures
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Accepted drafts + 1 (the correction or bonus token) per round."""
-        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
-
-
-@dataclass
-class StepInputs:
-    tokens: torch.Tensor  # [N] int64
-    positions: torch.Tensor  # [N] int64
-    seq_slots: torch.Tensor  # [N] int64
-    logits_rows: torch.Tensor  # [R] int64
-    sampled: list = field(default_factory=list)  # the Sequence of each logits row
 
 
 class Engine:
     """Serves requests on one artifact; `run(requests)` returns one `Result` per request, in order.
 
-    cuda_graphs: None = on for CUDA, off elsewhere. pad_steps: None = pad exactly when graphs are
-    on; True pads every step to its bucket (without graphs on CPU). use_triton: None = the caches'
-    default (Triton on CUDA when available)."""
+    `proposer` replaces the artifact's drafter (tests: oracle or adversarial drafts)."""
 
-    def __init__(self, artifact: Artifact, device: str = "cpu", n_slots: Optional[int] = None, *,
-                 cuda_graphs: Optional[bool] = None, pad_steps: Optional[bool] = None,
-                 use_triton: Optional[bool] = None):
+    def __init__(self, artifact: Artifact, config: RunConfig = RunConfig(), proposer: Optional[Proposer] = None):
         self.artifact = artifact
-        self.device = torch.device(device)
-        self.program = artifact.program
-        kv = artifact.manifest.kv
-        self.cache = make_cache(kv, self.device, n_slots if n_slots is not None else kv.max_active_seqs)
-        if use_triton is not None:
-            self.cache.use_triton = triton_enabled(self.device, use_triton)
-        self.program.bind("mg::update_and_attend", self.cache.update_and_attend)
+        self.config = config
+        speculate = config.dflash and artifact.has_draft
+        if config.draft_block is not None and not artifact.has_draft:
+            raise DFlashError(f"a draft block was given, but {artifact.directory} has no drafter")
+        if proposer is not None and not speculate:
+            raise DFlashError("a proposer was given, but this engine does not speculate (no drafter, or dflash off)")
+        self.runner = ModelRunner(artifact, config, with_draft=speculate)
+        self.spec = Speculator(self.runner, config, proposer) if speculate else None
+        m, cache = artifact.manifest, self.runner.cache
+        self.scheduler = Scheduler(max_write=m.kv.max_write, n_slots=cache.n_slots, capacity=m.kv.capacity,
+                                   vocab_size=m.model.vocab_size, eos_ids=frozenset(m.model.eos_ids),
+                                   cell_budget=m.kv.max_cells if m.kv.layout == "cell" else None)
         self.stats = EngineStats()
-        self.cuda_graphs = self._graphs_wanted(cuda_graphs)
-        self.pad_steps = self.cuda_graphs if pad_steps is None else pad_steps
-        self._forward_graphs = GraphRunner(self.program, C.METHOD_FORWARD, self._blank_step,
-                                           self.cache.storage_version, self.stats.graphs) if self.cuda_graphs else None
-        self._batches: dict[tuple[SamplingParams, ...], SamplingBatch] = {}
-        self.scheduler = Scheduler(max_write=kv.max_write, n_slots=self.cache.n_slots, capacity=kv.capacity,
-                                   vocab_size=artifact.manifest.model.vocab_size,
-                                   cell_budget=kv.max_cells if kv.layout == C.LAYOUT_CELL else None)
-        self.eos = frozenset(artifact.manifest.model.eos_ids)
+        self._batches: dict[tuple, SamplingBatch] = {}
         self._results: dict[str, Result] = {}
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def cache(self):
+        return self.runner.cache
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        return self.spec.stats if self.spec is not None else SpecStats()
+
+    @property
+    def graph_counters(self) -> GraphCounters:
+        return self.runner.counters
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (RequestError when it can never be served)."""
+        self.scheduler.submit(request)
+        self.stats.prompt_tokens += len(request.prompt)
+
+    def take_finished(self) -> list[Result]:
+        """Results of the requests that finished since the last call, in finishing order."""
+        done = list(self._results.values())
+        self._results.clear()
+        return done
+
     def run(self, requests: Iterable[Request]) -> list[Result]:
-        order = []
+        order, refused = [], {}
         for req in requests:
             order.append(req.id)
             try:
-                self.scheduler.submit(req)
-                self.stats.prompt_tokens += len(req.prompt)
-            except (RequestError, ValueError) as e:
-                self._results[req.id] = Result(req.id, (), None, str(e))
+                self.submit(req)
+            except RequestError as e:
+                refused[req.id] = Result(req.id, (), None, str(e))
         t0 = time.perf_counter()
         while not self.scheduler.idle:
             self.step()
         self.stats.wall_s += time.perf_counter() - t0
-        return [self._results.pop(rid) for rid in order]
+        done = {r.id: r for r in self.take_finished()}
+        done.update(refused)
+        return [done[rid] for rid in order]
 
     def step(self) -> None:
-        chunks = self.scheduler.schedule()
-        if not chunks:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule(self.spec.choose if self.spec is not None else None)
+        if not batch:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # invariant
-        inputs = self.pack(chunks)
-        logits = self.forward(inputs)[0]
-        new_tokens = self.sample_rows(logits, inputs.sampled)
-        for chunk in chunks:
-            chunk.seq.n_cached += chunk.length
-        for seq, tok in zip(inputs.sampled, new_tokens):
-            self.append(seq, [tok])
+        drafts = (self.spec.propose(batch.decode, batch.n_drafts) if self.spec is not None
+                  else [[] for _ in batch.decode])
+        step = self.runner.pack(batch.decode, drafts, batch.prefill)
+        out = self.runner.forward(step)
+        accepted, new_tokens = self._accept(step.groups, drafts, out[0])
+        self._postprocess(batch, step, drafts, accepted, new_tokens, out[1] if len(out) > 1 else None)
         self.stats.steps += 1
+        if self.spec is not None:
+            self.spec.step_done(time.perf_counter() - t0, step.tokens.shape[0])
 
-    # ------------------------------------------------------------------ pieces shared with DFlash
+    # ------------------------------------------------------------------ run and postprocess
 
-    def pack(self, chunks: list[Chunk]) -> StepInputs:
-        tokens, positions, slots, rows, sampled = [], [], [], [], []
-        for chunk in chunks:
-            seq = chunk.seq
-            tokens += seq.tokens[chunk.start:chunk.start + chunk.length]
-            positions += range(chunk.start, chunk.start + chunk.length)
-            slots += [seq.slot] * chunk.length
-            if chunk.wants_logits:
-                rows.append(len(tokens) - 1)
-                sampled.append(seq)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        return StepInputs(as_long(tokens), as_long(positions), as_long(slots), as_long(rows), sampled)
+    def _accept(self, groups: list, drafts: list[list[int]], logits: torch.Tensor):
+        """Accept drafts and sample the next token of every group, on the device; one copy to the host.
+        A group without drafts (a plain decode step, a prompt's last chunk) is plain sampling."""
+        b = len(groups)
+        if b == 0:
+            return [], []
+        width = max(n for _, _, n, _ in groups)
+        dev = logits.device
+        index = torch.tensor([[first + min(j, n - 1) for j in range(width)] for _, first, n, _ in groups],
+                             dtype=torch.long).flatten()
+        draft = torch.zeros(b, width - 1, dtype=torch.long)
+        for i, d in enumerate(drafts):
+            if d:
+                draft[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+        seqs = [g[0] for g in groups]
+        n_draft = torch.tensor([n - 1 for _, _, n, _ in groups], dtype=torch.long)
+        counters = torch.tensor([s.n_generated for s in seqs], dtype=torch.long)
+        result = accept(draft.to(dev), None, logits.index_select(0, index.to(dev)).view(b, width, -1),
+                        n_draft.to(dev), self._sampling_batch(seqs, dev), counters.to(dev))
+        host = torch.cat([result.n_accepted[:, None], result.tokens], dim=1).tolist()  # the one copy per step
+        return [row[0] for row in host], [row[1:2 + row[0]] for row in host]
 
-    def forward(self, inputs: StepInputs) -> list:
-        """Admit the step in the cache, then run the target `forward`: logits [R, V] first, then
-        per-token outputs [N, ...] (hidden), cut back to the live rows when the step was padded."""
-        n, r = inputs.tokens.shape[0], inputs.logits_rows.shape[0]
-        size = bucket_for(max(n, r, 1), self.cache.max_write) if self.pad_steps else None
-        step = [inputs.tokens, inputs.positions, inputs.seq_slots, inputs.logits_rows]
-        if size is not None:
-            step = [pad_rows(inputs.tokens, size, 0), pad_rows(inputs.positions, size, 0),
-                    pad_rows(inputs.seq_slots, size, self.cache.scratch_slot), pad_rows(inputs.logits_rows, size, 0)]
-        self.cache.declare_step(step[1], step[2])  # padded rows included: the host admits them, outside the graph
-        if size is not None and self._forward_graphs is not None:
-            out = self._forward_graphs.run(size, step)
-        else:
-            out = self.program.run(C.METHOD_FORWARD, [x.to(self.device) for x in step])
-        if size is None:
-            return out
-        return [out[0][:r], *(o[:n] for o in out[1:])]
+    def _postprocess(self, batch: Batch, step, drafts, accepted, new_tokens, hidden) -> None:
+        spec, cache = self.spec, self.runner.cache
+        committed_rows, owners = [], []  # step rows whose hidden state enters the draft context
+        for i, seq in enumerate(batch.decode):
+            k, a = len(drafts[i]), accepted[i]
+            _, _, _, first = step.groups[i]
+            seq.n_cached += a + 1
+            if a < k:
+                cache.rewind(seq.slot, seq.n_cached)
+            if spec is not None:
+                spec.observe(seq, k, a)
+                committed_rows += range(first, first + a + 1)
+                owners.append((seq.slot, a + 1))
+        offset = sum(1 + len(d) for d in drafts)
+        for chunk in batch.prefill:
+            chunk.seq.n_cached += chunk.length
+            committed_rows += range(offset, offset + chunk.length)
+            owners.append((chunk.seq.slot, chunk.length))
+            offset += chunk.length
+        if spec is not None and committed_rows:
+            rows = hidden.index_select(0, torch.tensor(committed_rows, dtype=torch.long, device=hidden.device))
+            at = 0
+            for slot, m in owners:
+                spec.commit(slot, rows[at:at + m])
+                at += m
+        for (seq, _, _, _), toks in zip(step.groups, new_tokens):
+            before = len(seq.tokens)
+            reason = self.scheduler.append(seq, toks)
+            self.stats.generated_tokens += len(seq.tokens) - before
+            if reason is not None:
+                self._finish(seq, reason)
+        if spec is not None:
+            spec.end_commits()
 
-    def _blank_step(self, size: int) -> list[torch.Tensor]:
-        """A forward step of `size` padding rows only (the scratch slot at position 0): harmless to run."""
-        zeros = torch.zeros(size, dtype=torch.long, device=self.device)
-        return [zeros, zeros, torch.full_like(zeros, self.cache.scratch_slot), zeros]
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.runner.cache.release(seq.slot)
+        if self.spec is not None:
+            self.spec.release(seq.slot)
+        self._results[seq.request.id] = Result(seq.request.id, tuple(seq.generated), reason)
 
-    def _graphs_wanted(self, requested: Optional[bool]) -> bool:
-        if requested is None:
-            return self.device.type == "cuda"
-        if requested and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs --device cuda; the device is {self.device}")
-        return requested
-
-    def sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
-        """The rows' SamplingBatch, built once per distinct parameter tuple (saves 5 host-to-device copies
-        per step in steady decoding)."""
+    def _sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+        """The rows' SamplingBatch, built once per distinct parameter tuple (saves host-to-device copies
+        in steady decoding)."""
         key = tuple(s.request.sampling for s in seqs)
         batch = self._batches.get(key)
         if batch is None:
@@ -197,26 +204,3 @@ class Engine:
                 self._batches.clear()
             batch = self._batches[key] = SamplingBatch.from_params(key, device=device)
         return batch
-
-    def sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Sample one token per logits row [R, V] with each request's own parameters and seed."""
-        if not seqs:
-            return []
-        batch = self.sampling_batch(seqs, logits.device)
-        counters = torch.tensor([s.n_generated for s in seqs], dtype=torch.long, device=logits.device)
-        return sample(logits[:, None, :], batch, counters)[:, 0].tolist()
-
-    def append(self, seq: Sequence, new_tokens: list[int]) -> None:
-        """Add sampled tokens to a sequence; finish it on EOS or at max_new_tokens."""
-        for tok in new_tokens:
-            seq.tokens.append(tok)
-            self.stats.generated_tokens += 1
-            if tok in self.eos:
-                return self.finish(seq, "eos")
-            if seq.n_generated >= seq.request.max_new_tokens:
-                return self.finish(seq, "length")
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        self.cache.release(seq.slot)
-        self._results[seq.request.id] = Result(seq.request.id, tuple(seq.generated), reason)

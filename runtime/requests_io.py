@@ -2,7 +2,7 @@
 
 A JSONL line is `{"id": str, "prompt": str}` (text: the tokenizer and BOS rule
 apply) or `{"id": str, "tokens": [int, ...]}` (ids verbatim), with optional
-`max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`. A bad line becomes
+`max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`, `ignore_eos`. A bad line becomes
 an error result for that line alone. Knows nothing about programs or caches.
 """
 
@@ -17,7 +17,7 @@ from .sampling import SamplingParams
 from .scheduler import Request
 from .tokenizer import TextCodec
 
-OPTIONAL_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+OPTIONAL_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
 ALLOWED_KEYS = ("id", "prompt", "tokens") + OPTIONAL_KEYS
 
 
@@ -73,6 +73,9 @@ def parse_request(obj, where: str, defaults: Defaults, codec: Optional[TextCodec
     for key in ("top_k", "seed"):
         if key in obj and (not isinstance(obj[key], int) or isinstance(obj[key], bool)):
             return BadRequest(rid, f"{where}: '{key}' must be an integer; found {obj[key]!r}")
+    ignore_eos = obj.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        return BadRequest(rid, f"{where}: 'ignore_eos' must be true or false; found {ignore_eos!r}")
     params = SamplingParams(temperature=float(obj.get("temperature", s.temperature)),
                             top_k=obj.get("top_k", s.top_k), top_p=float(obj.get("top_p", s.top_p)),
                             seed=obj.get("seed", s.seed))
@@ -80,7 +83,7 @@ def parse_request(obj, where: str, defaults: Defaults, codec: Optional[TextCodec
         params.validate()
     except ValueError as e:
         return BadRequest(rid, f"{where}: {e}")
-    return Request(rid, tuple(prompt), max_new, params)
+    return Request(rid, tuple(prompt), max_new, params, ignore_eos=ignore_eos)
 
 
 def read_jsonl(path: Path, defaults: Defaults, codec: Optional[TextCodec]) -> list[Union[Request, BadRequest]]:

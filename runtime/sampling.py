@@ -28,7 +28,6 @@ import torch
 
 STREAM_TARGET = 0  # draws target tokens: plain sampling, correction and bonus tokens
 STREAM_ACCEPT = 1  # the uniform that accepts or rejects a draft token
-STREAM_DRAFT = 2  # for a sampling drafter: it must not reuse the target's noise
 
 _SEED_LIMIT = 1 << 64
 _GOLDEN = 0x9E3779B97F4A7C15 - _SEED_LIMIT  # splitmix64 increment, as a wrapped int64

@@ -1,16 +1,20 @@
-"""Continuous batching: which sequences run, and which of their tokens each step writes.
+"""Continuous batching: admission, which tokens each step writes, and what a step's new tokens do.
 
-Host-side bookkeeping only: requests wait until a sequence slot (and, for the
-cell layout, enough cells) is free; each step packs decode tokens first, then
-prefill chunks, up to `max_write` tokens. A request that can never fit is
-refused alone. Knows nothing about programs, tensors or sampling math.
+Host-side bookkeeping only. `check` is the one admission check: a request that
+can never be served is refused alone, naming the limit. Requests wait until a
+sequence slot (and, for the cell layout, enough cells) is free. Each step takes
+the decoding sequences first (their pending token plus the draft rows the
+speculative decoder asks for), then prefill chunks, up to `max_write` tokens.
+`append` adds a step's new tokens to a sequence and finishes it on EOS (unless
+the request sets `ignore_eos`) or at `max_new_tokens`. Knows nothing about
+programs, tensors or sampling math.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from .sampling import SamplingParams
 
@@ -25,6 +29,7 @@ class Request:
     prompt: tuple[int, ...]  # token ids, used verbatim
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
 
 
 @dataclass
@@ -34,7 +39,6 @@ class Sequence:
     tokens: list[int]  # prompt, then generated tokens
     n_cached: int = 0  # tokens whose KV is written (committed)
     finish_reason: Optional[str] = None
-    draft_len: int = 0  # tokens whose hidden rows are in the draft context (DFlash)
 
     @property
     def n_generated(self) -> int:
@@ -49,14 +53,37 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[len(self.request.prompt):]
 
+    @property
+    def room(self) -> int:
+        """Draft rows this sequence may still verify: tokens left to generate after the pending one's
+        successor (so a round never overshoots max_new_tokens)."""
+        return self.request.max_new_tokens - self.n_generated - 1
+
 
 @dataclass(frozen=True)
 class Chunk:
+    """Prefill: `length` prompt tokens of `seq` from position `start`."""
+
     seq: Sequence
     start: int  # first position written
     length: int  # tokens written this step
     wants_logits: bool  # the chunk ends at the last known token: sample the next one
-    width: int = 1  # rows reserved in the step: decode chunks may add drafts up to this (DFlash)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One scheduled step: decode sequences with their draft-row counts, then prefill chunks."""
+
+    decode: list  # Sequence, each writing its pending token + n_drafts[i] draft rows
+    n_drafts: list  # int per decode sequence
+    prefill: list  # Chunk
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+# (decode sequences, rows left in the step) -> draft rows per sequence, summing to at most those rows
+DraftRows = Callable[[list, int], list]
 
 
 @dataclass
@@ -65,6 +92,7 @@ class Scheduler:
     n_slots: int
     capacity: int  # per-sequence context
     vocab_size: int
+    eos_ids: frozenset = frozenset()
     cell_budget: Optional[int] = None  # cell layout: cells all running sequences may reserve together
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
@@ -73,7 +101,7 @@ class Scheduler:
         self._free_slots = list(range(self.n_slots))
 
     def check(self, request: Request) -> None:
-        """Refuse a request that can never be served, naming the limit."""
+        """The one admission check: refuse a request that can never be served, naming the limit."""
         if not request.prompt:
             raise RequestError(f"request {request.id!r}: the prompt is empty")
         bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
@@ -90,7 +118,10 @@ class Scheduler:
         if self.cell_budget is not None and need > self.cell_budget:
             raise RequestError(f"request {request.id!r}: needs {need} KV cells; the artifact has "
                                f"{self.cell_budget}")
-        request.sampling.validate()
+        try:
+            request.sampling.validate()
+        except ValueError as e:
+            raise RequestError(f"request {request.id!r}: {e}") from None
 
     def submit(self, request: Request) -> None:
         self.check(request)
@@ -112,27 +143,39 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(Sequence(req, self._free_slots.pop(0), list(req.prompt)))
 
-    def schedule(self, decode_width: int = 1) -> list[Chunk]:
-        """The next step: each decoding sequence writes up to `decode_width` rows (its pending token and,
-        with DFlash, drafts, reserved here), then prefill chunks fill what is left of `max_write`."""
+    def schedule(self, draft_rows: Optional[DraftRows] = None) -> Batch:
+        """The next step: every decoding sequence writes its pending token plus the draft rows
+        `draft_rows(decode, rows_left)` gives it, then prefill chunks fill what is left of `max_write`."""
         self._admit()
-        budget = self.max_write
-        chunks: list[Chunk] = []
-        for seq in self.running:
-            if not seq.in_prefill and budget > 0:
-                width = min(decode_width, budget)
-                chunks.append(Chunk(seq, seq.n_cached, 1, True, width))
-                budget -= width
+        decode = [s for s in self.running if not s.in_prefill][:self.max_write]
+        budget = self.max_write - len(decode)
+        n_drafts = list(draft_rows(decode, budget)) if draft_rows is not None and decode else [0] * len(decode)
+        if len(n_drafts) != len(decode) or sum(n_drafts) > budget or min(n_drafts, default=0) < 0:
+            raise RuntimeError(f"draft rows {n_drafts} for {len(decode)} sequences exceed the {budget} rows left")
+        budget -= sum(n_drafts)
+        prefill: list[Chunk] = []
         for seq in self.running:
             if seq.in_prefill and budget > 0:
                 remaining = len(seq.tokens) - seq.n_cached
                 n = min(remaining, budget)
-                chunks.append(Chunk(seq, seq.n_cached, n, n == remaining))
+                prefill.append(Chunk(seq, seq.n_cached, n, n == remaining))
                 budget -= n
-        return chunks
+        return Batch(decode, n_drafts, prefill)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def append(self, seq: Sequence, new_tokens: list[int]) -> Optional[str]:
+        """Add a step's new tokens to `seq`; returns the finish reason ("eos" | "length") when it finished
+        (tokens after an EOS are dropped), else None. The caller frees the slot's caches."""
+        for tok in new_tokens:
+            seq.tokens.append(tok)
+            if tok in self.eos_ids and not seq.request.ignore_eos:
+                return self._finish(seq, "eos")
+            if seq.n_generated >= seq.request.max_new_tokens:
+                return self._finish(seq, "length")
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> str:
         seq.finish_reason = reason
         self.running.remove(seq)
         self._free_slots.append(seq.slot)
         self._free_slots.sort()
+        return reason

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .artifact import ArtifactError, load_artifact
-from .engine import Engine, EngineStats
+from .config import ConfigError, RunConfig
+from .engine import Engine
 from .requests_io import BadRequest, Defaults, read_jsonl, result_record
 from .sampling import SamplingParams
 from .scheduler import Request
-from .spec_decode import DFlashEngine, DFlashError
+from .speculative import DFlashError
 from .tokenizer import TextCodec
 
 
@@ -34,10 +35,12 @@ class Summary:
     wall_s: float
     tokens_per_s: float
     dflash: bool = False
+    speculation: str = ""
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     mean_acceptance_length: float = 0.0
+    chosen_k_hist: tuple = ()  # [k] = decode steps of one sequence that verified k drafts
     cuda_graphs: bool = False
     graph_captures: int = 0
     graph_replays: int = 0
@@ -49,8 +52,10 @@ class Summary:
                 f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in {self.steps} steps, "
                 f"{self.wall_s:.2f}s, {self.tokens_per_s:.1f} tokens/s")
         if self.dflash:
-            text += (f"; DFlash {self.rounds} rounds, {self.drafted_tokens} drafted, {self.accepted_tokens} "
-                     f"accepted, mean acceptance length {self.mean_acceptance_length:.2f}")
+            plain = self.chosen_k_hist[0] if self.chosen_k_hist else 0
+            text += (f"; DFlash ({self.speculation}) {self.rounds} rounds, {self.drafted_tokens} drafted, "
+                     f"{self.accepted_tokens} accepted, mean acceptance length {self.mean_acceptance_length:.2f}, "
+                     f"{plain} plain decode steps")
         if self.cuda_graphs:
             text += (f"; CUDA graphs: {self.graph_captures} captures ({self.recaptures} after cache growth), "
                      f"{self.graph_replays} replays")
@@ -60,23 +65,24 @@ class Summary:
         return asdict(self)
 
 
-def _summary(layout: str, device: str, n: int, failed: int, stats: EngineStats, dflash: bool,
-             cuda_graphs: bool) -> Summary:
-    return Summary(layout=layout, device=device, requests=n, failed=failed, prompt_tokens=stats.prompt_tokens,
-                   generated_tokens=stats.generated_tokens, steps=stats.steps, wall_s=stats.wall_s,
-                   tokens_per_s=stats.tokens_per_s, dflash=dflash, rounds=stats.rounds,
-                   drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
-                   mean_acceptance_length=stats.mean_acceptance_length, cuda_graphs=cuda_graphs,
-                   graph_captures=stats.graph_captures, graph_replays=stats.graph_replays,
-                   recaptures=stats.recaptures)
+def _summary(layout: str, n: int, failed: int, engine: Engine) -> Summary:
+    stats, spec, config = engine.stats, engine.spec_stats, engine.config
+    graphs = engine.graph_counters
+    return Summary(layout=layout, device=config.device, requests=n, failed=failed,
+                   prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens, steps=stats.steps,
+                   wall_s=stats.wall_s, tokens_per_s=stats.generated_tokens / stats.wall_s if stats.wall_s else 0.0,
+                   dflash=engine.spec is not None, speculation=config.speculation if engine.spec else "",
+                   rounds=spec.rounds, drafted_tokens=spec.drafted_tokens, accepted_tokens=spec.accepted_tokens,
+                   mean_acceptance_length=spec.mean_acceptance_length, chosen_k_hist=tuple(spec.chosen_k_hist),
+                   cuda_graphs=config.graphs, graph_captures=graphs.captures, graph_replays=graphs.replays,
+                   recaptures=graphs.recaptures)
 
 
 def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path], max_new_tokens: int,
-          params: SamplingParams, device: str = "cpu", layout: Optional[str] = None, dflash: bool = True,
-          draft_block: Optional[int] = None, cuda_graphs: bool = True):
-    """`cuda_graphs=False` runs every step eagerly on CUDA (for comparison); graphs are never used on CPU."""
+          params: SamplingParams, config: RunConfig, layout: Optional[str] = None):
+    """Load, serve every request, and return (result records in input order, Summary)."""
     try:
-        artifact = load_artifact(artifact_dir, device=device, layout=layout)
+        artifact = load_artifact(artifact_dir, device=config.device, layout=layout)
     except ArtifactError as e:
         raise ServeError(str(e)) from None
     m = artifact.manifest
@@ -99,14 +105,11 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
             raise ServeError(f"{input_path}: cannot read ({e.strerror})") from None
         except ValueError as e:
             raise ServeError(str(e)) from None
-    use_dflash = dflash and artifact.has_draft
-    if draft_block is not None and not artifact.has_draft:
+    if config.draft_block is not None and not artifact.has_draft:
         raise ServeError(f"--draft-block was given, but {artifact_dir} has no drafter")
-    graphs = cuda_graphs and device == "cuda"
     try:
-        engine = (DFlashEngine(artifact, device=device, draft_block=draft_block, cuda_graphs=graphs) if use_dflash
-                  else Engine(artifact, device=device, cuda_graphs=graphs))
-    except DFlashError as e:
+        engine = Engine(artifact, config)
+    except (DFlashError, ConfigError) as e:
         raise ServeError(str(e)) from None
     results = {r.id: r for r in engine.run([i for i in items if isinstance(i, Request)])}
     records = []
@@ -117,4 +120,4 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
             r = results[item.id]
             records.append(result_record(r.id, r.tokens, r.finish_reason, r.error, codec))
     failed = sum("error" in r for r in records)
-    return records, _summary(artifact.layout, device, len(records), failed, engine.stats, use_dflash, graphs)
+    return records, _summary(artifact.layout, len(records), failed, engine)

@@ -1,4 +1,4 @@
-"""Speculative acceptance: the verify/accept step of a DFlash round (ARCHITECTURE.md 6, step 3).
+"""Speculative acceptance: the accept step of a DFlash round (docs/ARCHITECTURE.md section 6.5, step 4).
 
 Knows: the draft tokens d1..dK of B sequences, their draft probabilities q (or
 None for argmax drafts, q = one-hot of the draft token), the target's logits for

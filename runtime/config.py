@@ -1,0 +1,62 @@
+"""How one engine runs: the single configuration record shared by `mg-run`, scripts and tests.
+
+Every choice that used to travel as keyword arguments through the engine, the
+speculative decoder and the model runner lives here, validated once. Knows no
+torch objects beyond the device name; never imports mg.export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+SPECULATION_ADAPTIVE = "adaptive"  # per round and per sequence, from measured costs and online acceptance
+SPECULATION_FIXED = "fixed"  # always the most drafts the block, the step budget and the request allow
+SPECULATION_POLICIES = (SPECULATION_ADAPTIVE, SPECULATION_FIXED)
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot work; one line naming the setting and what is allowed."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """device: "cpu" | "cuda". cuda_graphs: None = on for CUDA, off elsewhere. pad_steps: None = pad
+    exactly when graphs are on; True pads every call to its bucket (how CPU tests exercise it).
+    use_triton: None = Triton attention on CUDA when available. n_slots: cell layout only, sequences
+    at once (default: the manifest's). dflash: speculate when the artifact has a drafter.
+    draft_block: the most rows verified per round (pending token + drafts), 2 .. exported block
+    (default: the exported block). speculation: how many drafts each sequence gets per round."""
+
+    device: str = "cpu"
+    cuda_graphs: Optional[bool] = None
+    pad_steps: Optional[bool] = None
+    use_triton: Optional[bool] = None
+    n_slots: Optional[int] = None
+    dflash: bool = True
+    draft_block: Optional[int] = None
+    speculation: str = SPECULATION_ADAPTIVE
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device is {self.device!r}; allowed: cpu | cuda")
+        if self.cuda_graphs and not self.on_cuda:
+            raise ConfigError(f"cuda_graphs=True needs device cuda; the device is {self.device}")
+        if self.speculation not in SPECULATION_POLICIES:
+            raise ConfigError(f"speculation is {self.speculation!r}; allowed: {' | '.join(SPECULATION_POLICIES)}")
+        if self.n_slots is not None and self.n_slots < 1:
+            raise ConfigError(f"n_slots is {self.n_slots}; allowed: an integer >= 1")
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def graphs(self) -> bool:
+        """CUDA graphs on?"""
+        return self.on_cuda if self.cuda_graphs is None else self.cuda_graphs
+
+    @property
+    def padded(self) -> bool:
+        """Pad every method call to its bucket?"""
+        return self.graphs if self.pad_steps is None else self.pad_steps

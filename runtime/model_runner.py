@@ -1,0 +1,248 @@
+"""The model runner: the program's methods on one device, with this runner's own caches.
+
+Owns what executing the artifact needs: the target KV cache (and the draft
+cache when the engine speculates), the op table that binds the program's
+`mg::` ops to those caches (passed to every `Program.run`, so several runners
+can share one loaded program), packing of a scheduled step into the target
+`forward`'s inputs, and one call path for every method:
+
+    pad the leading dimension to its bucket -> admit the step in its cache ->
+    replay a CUDA graph, or run the method eagerly -> cut outputs to live rows
+
+Padding rows come from each method's blank inputs (the scratch slot at
+position 0; anchors at 0 for `draft_block`), so they never change a live
+sequence. Buckets are 1, 2, 4, ... up to the method's bound (`cuda_graphs.py`).
+`measure` times a method per bucket on blank inputs, through the same path:
+the cost table adaptive speculation decides from.
+
+Knows the artifact contract, the caches' protocol and the program API; knows
+nothing of requests' sampling, acceptance or scheduling policy. Never imports
+mg.export. See docs/ARCHITECTURE.md section 6.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from mg.kernels import ops as mg_ops
+from mg.manifests import constants as C
+
+from .artifact import Artifact
+from .cache_base import KVCache, make_cache
+from .config import RunConfig
+from .cuda_graphs import GraphCounters, GraphRunner, bucket_for, buckets, triton_enabled
+from .draft_ops import DraftOps
+
+
+@dataclass
+class StepBatch:
+    """One target `forward` step, packed: decode sequences' verify rows first, then prefill chunks."""
+
+    tokens: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    seq_slots: torch.Tensor  # [N] int64
+    logits_rows: torch.Tensor  # [R] int64: rows that go through the LM head
+    groups: list = field(default_factory=list)  # (seq, first logits row, rows, first step row) per sampled group
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one method is padded, admitted and cut."""
+
+    name: str
+    limit: int  # the largest leading dimension a call may have
+    blank: Callable[[int], list]  # padding-only inputs of `size` rows (index tensors on the host)
+    cache: Optional[KVCache]  # declare_step(inputs[1], inputs[2]) before the call; None: no admission
+    cut: Callable[[list, list], list]  # (outputs, live row counts) -> outputs of the live rows
+
+
+class ModelRunner:
+    """Runs the artifact's methods for one engine; see the module docstring."""
+
+    def __init__(self, artifact: Artifact, config: RunConfig, with_draft: bool):
+        self.artifact = artifact
+        self.config = config
+        self.device = torch.device(config.device)
+        self.program = artifact.program
+        kv = artifact.manifest.kv
+        self.cache = make_cache(kv, self.device, config.n_slots if config.n_slots is not None else kv.max_active_seqs)
+        if config.use_triton is not None:
+            self.cache.use_triton = triton_enabled(self.device, config.use_triton)
+        self.counters = GraphCounters()
+        self.ops: dict[str, Callable] = {_qualified(mg_ops.UPDATE_AND_ATTEND): self.cache.update_and_attend}
+        self._plans = {C.METHOD_FORWARD: _Plan(C.METHOD_FORWARD, kv.max_write, self._blank_forward, self.cache,
+                                               _cut_forward)}
+        self.draft_cache: Optional[KVCache] = None
+        if with_draft:
+            draft = artifact.manifest.draft
+            self.block_size, self.mask_token = draft.block_size, draft.mask_token_id
+            draft_slots = self.cache.n_slots if draft.kv.layout == C.LAYOUT_CELL else None
+            self.draft_cache = make_cache(draft.kv, self.device, draft_slots)
+            if config.use_triton is not None:  # draft ops write through the cache's kernels
+                self.draft_cache.use_triton = triton_enabled(self.device, config.use_triton)
+            draft_ops = DraftOps(self.draft_cache)
+            self.ops.update({_qualified(mg_ops.DRAFT_APPEND): draft_ops.append,
+                             _qualified(mg_ops.DRAFT_ATTEND): draft_ops.attend})
+            self._hidden_spec = artifact.manifest.method(C.METHOD_DRAFT_APPEND).inputs[0]
+            self._plans[C.METHOD_DRAFT_BLOCK] = _Plan(C.METHOD_DRAFT_BLOCK, draft.kv.max_active_seqs,
+                                                      self._blank_block, None, _cut_rows)
+            self._plans[C.METHOD_DRAFT_APPEND] = _Plan(C.METHOD_DRAFT_APPEND, draft.kv.max_write,
+                                                       self._blank_append, self.draft_cache, lambda out, live: out)
+        self._graphs: dict[str, GraphRunner] = {}
+        if config.graphs:
+            for name, plan in self._plans.items():
+                cache = self.draft_cache if name != C.METHOD_FORWARD else self.cache
+                self._graphs[name] = GraphRunner(self._eager_call(name), self._device_blank(plan),
+                                                 cache.storage_version, self.counters)
+        self._blanks: dict[tuple[str, int], list] = {}
+        self.call_log: Optional[list] = None  # a list: every call appends (method, live rows, seconds)
+
+    # ------------------------------------------------------------------ methods
+
+    def forward(self, batch: StepBatch) -> list:
+        """The target `forward` of a packed step: [logits [R, V], hidden [N, taps*dim] (with a drafter)]."""
+        n, r = batch.tokens.shape[0], batch.logits_rows.shape[0]
+        return self.call(C.METHOD_FORWARD, [batch.tokens, batch.positions, batch.seq_slots, batch.logits_rows],
+                         [r, n])
+
+    def draft_block(self, tokens: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> torch.Tensor:
+        """Proposal logits [B, T-1, V] for blocks tokens [B, T] anchored at positions[:, 0]."""
+        return self.call(C.METHOD_DRAFT_BLOCK, [tokens, positions, seq_slots], [tokens.shape[0]])[0]
+
+    def draft_append(self, hidden: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
+        """Append committed context rows to the draft cache, in calls of at most the method's bound."""
+        limit = self._plans[C.METHOD_DRAFT_APPEND].limit
+        for lo in range(0, hidden.shape[0], limit):
+            hi = lo + limit
+            self.call(C.METHOD_DRAFT_APPEND, [hidden[lo:hi], positions[lo:hi], seq_slots[lo:hi]], [])
+
+    def call(self, method: str, inputs: list, live: list[int]) -> list:
+        """The one path of every method call: pad -> admit -> graph or eager -> cut (module docstring)."""
+        plan = self._plans[method]
+        t0 = time.perf_counter()
+        rows = max(x.shape[0] for x in inputs)
+        size = bucket_for(rows, plan.limit) if self.config.padded else None
+        if size is not None:
+            blank = self._blank(plan, size)
+            inputs = [x if x.shape[0] == size else torch.cat([x, b[x.shape[0]:].to(x.device)])
+                      for x, b in zip(inputs, blank)]
+        if plan.cache is not None:
+            plan.cache.declare_step(inputs[1], inputs[2])  # padding rows too: the host admits them, outside graphs
+        graphs = self._graphs.get(method)
+        if size is not None and graphs is not None:
+            out = graphs.run(size, inputs)
+        else:
+            out = self.program.run(method, [x.to(self.device) for x in inputs], ops=self.ops)
+        if self.call_log is not None:
+            self.call_log.append((method, rows, time.perf_counter() - t0))
+        return out if size is None else plan.cut(out, live)
+
+    def captured(self, method: str) -> tuple[int, ...]:
+        """Buckets of `method` that have a live CUDA graph now (empty without graphs)."""
+        g = self._graphs.get(method)
+        return g.captured if g is not None else ()
+
+    # ------------------------------------------------------------------ packing
+
+    def pack(self, decode: list, drafts: list[list[int]], prefill: list) -> StepBatch:
+        """Decode sequences write their pending token and drafts (every row gets logits: the verify rows),
+        then prefill chunks (the last row gets logits when the chunk ends the prompt)."""
+        tokens, positions, slots, rows, groups = [], [], [], [], []
+        for seq, d in zip(decode, drafts):
+            start, first = seq.n_cached, len(tokens)
+            tokens += [seq.tokens[-1], *d]
+            positions += range(start, start + 1 + len(d))
+            slots += [seq.slot] * (1 + len(d))
+            groups.append((seq, len(rows), 1 + len(d), first))
+            rows += range(first, first + 1 + len(d))
+        for chunk in prefill:
+            seq, first = chunk.seq, len(tokens)
+            tokens += seq.tokens[chunk.start:chunk.start + chunk.length]
+            positions += range(chunk.start, chunk.start + chunk.length)
+            slots += [seq.slot] * chunk.length
+            if chunk.wants_logits:
+                groups.append((seq, len(rows), 1, first + chunk.length - 1))
+                rows.append(len(tokens) - 1)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        return StepBatch(as_long(tokens), as_long(positions), as_long(slots), as_long(rows), groups)
+
+    # ------------------------------------------------------------------ costs
+
+    def measure(self, method: str, reps: int = 3) -> dict[int, float]:
+        """Seconds per call of `method` at each bucket of its leading dimension, on blank inputs (scratch
+        slot, position 0: nothing live changes), through `call`. CPU: the fastest of `reps` calls; CUDA: the
+        mean of `reps` calls between two synchronisations, after one warm-up call (which captures the graph).
+        A call never costs less than a smaller one: each size keeps at most the time of the next larger."""
+        plan = self._plans[method]
+        out = {}
+        for size in buckets(plan.limit):
+            inputs = self._blank(plan, size)
+            live = [size, size]
+            self.call(method, inputs, live)  # warm-up: lazy inits, graph capture
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    self.call(method, inputs, live)
+                torch.cuda.synchronize(self.device)
+                out[size] = (time.perf_counter() - t0) / reps
+            else:
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    self.call(method, inputs, live)
+                    times.append(time.perf_counter() - t0)
+                out[size] = min(times)
+        sizes = sorted(out)
+        for small, large in zip(sizes[-2::-1], sizes[:0:-1]):  # from the top down: noise spikes are cut
+            out[small] = min(out[small], out[large])
+        return out
+
+    # ------------------------------------------------------------------ blanks
+
+    def _blank(self, plan: _Plan, size: int) -> list:
+        key = (plan.name, size)
+        if key not in self._blanks:
+            self._blanks[key] = plan.blank(size)
+        return self._blanks[key]
+
+    def _device_blank(self, plan: _Plan) -> Callable[[int], list]:
+        return lambda size: [x.to(self.device) for x in plan.blank(size)]
+
+    def _eager_call(self, method: str) -> Callable[[list], list]:
+        return lambda inputs: self.program.run(method, inputs, ops=self.ops)
+
+    def _blank_forward(self, size: int) -> list:
+        """`size` padding rows on the scratch slot at position 0; logits rows read row 0."""
+        zeros = torch.zeros(size, dtype=torch.long)
+        return [zeros, zeros, torch.full_like(zeros, self.cache.scratch_slot), zeros]
+
+    def _blank_block(self, size: int) -> list:
+        """`size` blocks anchored at 0 on the draft scratch slot: they read no context and write nothing."""
+        t = self.block_size
+        return [torch.full((size, t), self.mask_token, dtype=torch.long), torch.arange(t).repeat(size, 1),
+                torch.full((size,), self.draft_cache.scratch_slot, dtype=torch.long)]
+
+    def _blank_append(self, size: int) -> list:
+        """`size` context rows written to the draft scratch slot at position 0 (hidden on the device)."""
+        spec = self._hidden_spec
+        hidden = torch.zeros(size, spec.shape[1], dtype=getattr(torch, spec.dtype), device=self.device)
+        zeros = torch.zeros(size, dtype=torch.long)
+        return [hidden, zeros, torch.full_like(zeros, self.draft_cache.scratch_slot)]
+
+
+def _qualified(op: str) -> str:
+    return f"{mg_ops.NAMESPACE}::{op}"
+
+
+def _cut_forward(out: list, live: list[int]) -> list:
+    r, n = live
+    return [out[0][:r], *(o[:n] for o in out[1:])]
+
+
+def _cut_rows(out: list, live: list[int]) -> list:
+    return [o[:live[0]] for o in out]

@@ -1,0 +1,446 @@
+"""DFlash speculative decoding as a component of the engine: choose -> propose -> (verify) -> commit.
+
+The engine asks, each step, for:
+  1. `choose(decode, rows_left)`: how many drafts k_i each decoding sequence
+     verifies this round (0 = a plain decode step for it);
+  2. `propose(decode, ks)`: the drafts, from one `draft_block` call for the
+     sequences with k_i > 0, anchored at their pending token (whose KV is not
+     written yet) and conditioned on their committed context;
+  3. after the engine's one target `forward` and acceptance, `observe` (the
+     round's accepted count) and `commit` (hidden rows of committed positions).
+
+Draft context is appended lazily: committed hidden rows wait per sequence
+and enter the draft cache (one `draft_append` for all sequences that need it)
+just before that sequence's next draft, or once a sequence has a full
+`draft_append` call's worth waiting. A stretch of k = 0 rounds therefore
+costs no drafter work, and the context is always complete when drafting
+resumes. Only rows of committed tokens ever enter the draft cache.
+
+Adaptive speculation (`RunConfig.speculation == "adaptive"`): the expected
+committed tokens of a round are 1 + sum_{j<=k} prod_{l<=j} a_l per sequence,
+with a_l the online estimate of P(draft l accepted | drafts < l accepted);
+the round's time is the target `forward` at its row count plus, when anyone
+drafts, `draft_block` at the drafting batch and `draft_append` of the rows
+waiting. Those times come from the model runner's per-bucket measurements
+on blank inputs (taken once per program, device and mode, when the engine
+starts), moved towards every timed call where calls are synchronous (CPU),
+plus a residual for what no table holds (host work), kept apart for steps
+with and without drafts. Draft rows go one at a time, highest expected gain
+first (`prod_{l<=j} a_l` decreases in j, so each sequence's rows go in
+order), and the round keeps the prefix with the most tokens per second, so
+each sequence drafts only where it pays. Estimates: per sequence, decayed
+counts shrunk towards a global estimate (all sequences), itself shrunk
+towards a prior. A sequence kept at k = 0 still probes with a full round now
+and then (`ProbeSchedule`: a few drafts, or as many as ride free in the
+step's bucket; the wait doubles after each probe that did not pay), so it
+notices when the text becomes predictable again.
+
+Knows the model runner, the scheduler's records and the run config; nothing
+of sampling math (`spec_accept.py`) or mg.export. See docs/ARCHITECTURE.md
+section 6.5.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import torch
+
+from mg.manifests import constants as C
+
+from .config import SPECULATION_FIXED, RunConfig
+from .model_runner import ModelRunner
+
+
+class DFlashError(ValueError):
+    """DFlash cannot run as asked (no drafter, bad draft block)."""
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        """Drafts d1..dk for each sequence (k = ks[i] >= 1), from its pending token and committed context."""
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0  # sequence-rounds that verified at least one draft
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_hist: list = field(default_factory=list)  # [a] = rounds that accepted a drafts
+    chosen_k_hist: list = field(default_factory=list)  # [k] = decode sequence-steps that verified k drafts
+    draft_calls: int = 0  # draft_block calls
+    context_rows: int = 0  # rows appended to the draft context
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Accepted drafts + 1 (the correction or bonus token) per round that drafted."""
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+def _bump(hist: list, i: int) -> None:
+    hist.extend([0] * (i + 1 - len(hist)))
+    hist[i] += 1
+
+
+class DraftModelProposer:
+    """The artifact's DFlash drafter: argmax drafts from one `draft_block` call (q = one-hot)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        t = self.runner.block_size
+        tokens = torch.full((len(seqs), t), self.runner.mask_token, dtype=torch.long)
+        tokens[:, 0] = torch.tensor([s.tokens[-1] for s in seqs])
+        anchors = torch.tensor([s.n_cached for s in seqs], dtype=torch.long)
+        positions = anchors[:, None] + torch.arange(t)[None, :]
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+        logits = self.runner.draft_block(tokens, positions, slots)
+        proposals = logits.argmax(dim=-1).tolist()  # [B, T-1]: one small copy to the host
+        return [p[:k] for p, k in zip(proposals, ks)]
+
+
+class AcceptanceModel:
+    """Online estimates of a_j = P(draft j accepted | drafts < j accepted), j = 1..K, per slot.
+
+    Per slot: decayed (hits, trials) per draft row, shrunk towards the global estimate with `strength`
+    pseudo-trials. Global: decayed counts over every round of every sequence, shrunk towards `prior`."""
+
+    def __init__(self, n_slots: int, k_max: int, prior: float = 0.6, strength: float = 3.0, decay: float = 0.8,
+                 global_decay: float = 0.98):
+        self.k_max, self.prior, self.strength = k_max, prior, strength
+        self.decay, self.global_decay = decay, global_decay
+        self._hits = [[0.0] * k_max for _ in range(n_slots)]
+        self._trials = [[0.0] * k_max for _ in range(n_slots)]
+        self._g_hits, self._g_trials = [0.0] * k_max, [0.0] * k_max
+
+    def global_rates(self) -> list[float]:
+        s = self.strength
+        return [(h + s * self.prior) / (n + s) for h, n in zip(self._g_hits, self._g_trials)]
+
+    def survival(self, slot: int, k: int, g: Optional[list[float]] = None) -> list[float]:
+        """P(at least j drafts accepted) for j = 1..k."""
+        g = self.global_rates() if g is None else g
+        s, hits, trials = self.strength, self._hits[slot], self._trials[slot]
+        out, p = [], 1.0
+        for j in range(k):
+            p *= (hits[j] + s * g[j]) / (trials[j] + s)
+            out.append(p)
+        return out
+
+    def observe(self, slot: int, k: int, accepted: int) -> None:
+        """A round of k >= 1 drafts accepted `accepted`: rows 1..accepted hit, row accepted+1 missed."""
+        hits, trials = self._hits[slot], self._trials[slot]
+        for j in range(min(accepted + 1, k)):
+            hit = 1.0 if j < accepted else 0.0
+            hits[j] = hits[j] * self.decay + hit
+            trials[j] = trials[j] * self.decay + 1.0
+            self._g_hits[j] = self._g_hits[j] * self.global_decay + hit
+            self._g_trials[j] = self._g_trials[j] * self.global_decay + 1.0
+
+    def reset(self, slot: int) -> None:
+        self._hits[slot] = [0.0] * self.k_max
+        self._trials[slot] = [0.0] * self.k_max
+
+
+class ProbeSchedule:
+    """When a sequence the estimates keep at k = 0 drafts anyway, to find out whether drafting pays again.
+
+    After `wait` plain steps a sequence probes with a short round; `wait` starts at `start`, doubles (up to
+    `cap`) after a probe that did not pay for its time, and goes back to `start` after one that did. The
+    cost of probing a drafter that stays useless therefore shrinks geometrically."""
+
+    def __init__(self, n_slots: int, start: int = 8, cap: int = 64):
+        self.start, self.cap = start, cap
+        self._wait = [start] * n_slots
+        self._since = [0] * n_slots  # plain steps since the slot last drafted
+
+    def due(self, slot: int) -> bool:
+        return self._since[slot] >= self._wait[slot]
+
+    def plain(self, slot: int) -> None:
+        self._since[slot] += 1
+
+    def drafted(self, slot: int, probe: bool, paid: bool) -> None:
+        self._since[slot] = 0
+        if probe:
+            self._wait[slot] = self.start if paid else min(self.cap, 2 * self._wait[slot])
+
+    def reset(self, slot: int) -> None:
+        self._wait[slot], self._since[slot] = self.start, 0
+
+
+class CostModel:
+    """Seconds of a step from the model runner's per-bucket measurements, refined online.
+
+    `forward(n)`, `draft(b)`, `append(m)`: the time at n's bucket when calls are padded to buckets, else
+    interpolated linearly between measured sizes. `observe(name, n, seconds)` moves the bucket's entry
+    towards a measured call (where calls are synchronous: on CPU; blank-input measurements miss attention
+    over real contexts). `residual(drafting)`: the mean of (measured step - predicted step), kept apart for
+    steps with and without drafting (host work the tables do not hold)."""
+
+    def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
+                 padded: bool, smoothing: float = 0.2):
+        self.tables = {"forward": dict(forward), "draft": dict(draft), "append": dict(append)}
+        self._sizes = {name: sorted(t) for name, t in self.tables.items()}
+        self.padded = padded
+        self.smoothing = smoothing
+        self._residual = {False: 0.0, True: 0.0}
+        self._seen = {False: False, True: False}
+
+    def _at(self, name: str, n: int) -> float:
+        if n <= 0:
+            return 0.0
+        table, sizes = self.tables[name], self._sizes[name]
+        if n >= sizes[-1]:
+            last = sizes[-1]
+            return table[last] * n / last  # beyond the largest call: calls of the largest size
+        k = bisect.bisect_left(sizes, n)
+        hi = sizes[k]
+        if self.padded or hi == n:
+            return table[hi]
+        lo = sizes[k - 1] if k else 0
+        t_lo = table[lo] if lo else 0.0
+        return t_lo + (table[hi] - t_lo) * (n - lo) / (hi - lo)
+
+    def forward(self, n: int) -> float:
+        return self._at("forward", n)
+
+    def draft(self, b: int) -> float:
+        return self._at("draft", b)
+
+    def append(self, m: int) -> float:
+        return self._at("append", m)
+
+    def observe(self, name: str, n: int, seconds: float) -> None:
+        """A measured call of `name` with leading dimension n: its bucket's entry moves towards it."""
+        table, sizes = self.tables[name], self._sizes[name]
+        hi = sizes[min(bisect.bisect_left(sizes, n), len(sizes) - 1)]
+        expected = self._at(name, n)
+        if n <= 0 or expected <= 0:
+            return
+        table[hi] += self.smoothing * (seconds * table[hi] / expected - table[hi])
+
+    def residual(self, drafting: bool) -> float:
+        return self._residual[drafting]
+
+    def record(self, drafting: bool, predicted: float, measured: float) -> None:
+        err = measured - predicted
+        if not self._seen[drafting]:
+            self._seen[drafting], self._residual[drafting] = True, err
+        else:
+            self._residual[drafting] += self.smoothing * (err - self._residual[drafting])
+
+
+_COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
+_TABLE_OF = {C.METHOD_FORWARD: "forward", C.METHOD_DRAFT_BLOCK: "draft", C.METHOD_DRAFT_APPEND: "append"}
+
+
+class Speculator:
+    """DFlash for one engine; see the module docstring. `proposer` replaces the artifact's drafter (tests)."""
+
+    def __init__(self, runner: ModelRunner, config: RunConfig, proposer: Optional[Proposer] = None):
+        draft = runner.artifact.manifest.draft
+        block = draft.block_size if config.draft_block is None else config.draft_block
+        if not 2 <= block <= draft.block_size:
+            raise DFlashError(f"--draft-block is {config.draft_block}; allowed: an integer in [2, "
+                              f"{draft.block_size}] (the exported block size)")
+        self.runner = runner
+        self.config = config
+        self.block = block  # the most rows verified per round: the pending token + block - 1 drafts
+        self.adaptive = config.speculation != SPECULATION_FIXED
+        self.proposer = proposer if proposer is not None else DraftModelProposer(runner)
+        self.stats = SpecStats()
+        self.acceptance = AcceptanceModel(runner.cache.n_slots, block - 1)
+        self.probes = ProbeSchedule(runner.cache.n_slots)
+        self.costs: Optional[CostModel] = None
+        draft_cache = runner.draft_cache
+        self._flush_rows = draft_cache.max_write  # waiting rows that trigger an append without a draft
+        self._waiting: dict[int, list[torch.Tensor]] = {}  # slot -> committed hidden rows not yet appended
+        self._n_waiting: dict[int, int] = {}
+        self._appended: dict[int, int] = {}  # slot -> positions in the draft cache
+        self._prediction: Optional[tuple[int, int]] = None  # (sequences drafting, context rows to append)
+        self._probing: set[int] = set()  # slots whose draft this round is a probe
+        if self.adaptive:
+            self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
+            if runner.device.type == "cpu":  # calls are synchronous there: time each one
+                runner.call_log = []
+
+    # ------------------------------------------------------------------ 1. choose
+
+    def choose(self, decode: list, rows_left: int) -> list[int]:
+        """Drafts per decoding sequence this round, summing to at most `rows_left`."""
+        limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
+        self._probing = set()
+        if not self.adaptive:
+            ks = []
+            for k in limits:
+                ks.append(min(k, rows_left))
+                rows_left -= ks[-1]
+            self._prediction = None
+            return ks
+        ks = self._best_drafts(decode, limits, rows_left)
+        rows_left -= sum(ks)
+        for i, s in enumerate(decode):  # sequences kept at k = 0 for a while probe
+            if ks[i] == 0 and limits[i] > 0 and rows_left > 0 and self.probes.due(s.slot):
+                ks[i] = min(limits[i], rows_left, self._probe_rows(len(decode) + sum(ks)))
+                rows_left -= ks[i]
+                self._probing.add(s.slot)
+        chosen = [i for i, k in enumerate(ks) if k]
+        self._prediction = (len(chosen), sum(self._n_waiting.get(decode[i].slot, 0) for i in chosen))
+        return ks
+
+    def _best_drafts(self, decode: list, limits: list[int], rows_left: int) -> list[int]:
+        """The draft rows with the most expected committed tokens per second (module docstring)."""
+        costs = self.costs
+        g = self.acceptance.global_rates()
+        gains = [self.acceptance.survival(s.slot, k, g) for s, k in zip(decode, limits)]
+        # Every (gain, sequence, row) in one list, best first; a sequence's rows come in order (gains decrease).
+        order = heapq.merge(*[[(-p, i, j) for j, p in enumerate(gs)] for i, gs in enumerate(gains)])
+        n = len(decode)
+        ks = [0] * n
+        rows, tokens, drafting, waiting = 0, 0.0, 0, 0
+        best_ratio = n / (costs.forward(n) + costs.residual(False))
+        best, taken = 0, []
+        for neg_p, i, _ in order:
+            if rows >= rows_left:
+                break
+            taken.append(i)
+            rows += 1
+            tokens -= neg_p
+            if ks[i] == 0:
+                drafting += 1
+                waiting += self._n_waiting.get(decode[i].slot, 0)
+            ks[i] += 1
+            t = costs.forward(n + rows) + costs.draft(drafting) + costs.append(waiting) + costs.residual(True)
+            ratio = (n + tokens) / t
+            if ratio > best_ratio:
+                best_ratio, best = ratio, len(taken)
+        ks = [0] * n
+        for i in taken[:best]:
+            ks[i] += 1
+        return ks
+
+    def _probe_rows(self, rows: int) -> int:
+        """Drafts of a probe: at least 4, more while the step's rows stay nearly free (within 10% of one more
+        row's forward time: padded buckets on CUDA), up to the block."""
+        c, k = self.costs, 4
+        while k < self.block - 1 and c.forward(rows + k + 1) <= 1.1 * c.forward(rows + 1):
+            k += 1
+        return k
+
+    def _paid(self, k: int, accepted: int) -> bool:
+        """Did a round of one sequence with k drafts commit tokens faster than plain steps would have?"""
+        c = self.costs
+        return (accepted + 1) * (c.forward(1) + c.residual(False)) >= (
+            c.forward(1 + k) + c.draft(1) + c.residual(True))
+
+    def _cost_model(self) -> CostModel:
+        r, cfg = self.runner, self.config
+        key = (r.artifact.manifest.files[0].sha256 if r.artifact.manifest.files else str(r.artifact.directory),
+               str(r.device), cfg.graphs, cfg.padded, getattr(r.cache, "use_triton", None))
+        if key not in _COST_TABLES:
+            _COST_TABLES[key] = (r.measure(C.METHOD_FORWARD), r.measure(C.METHOD_DRAFT_BLOCK),
+                                 r.measure(C.METHOD_DRAFT_APPEND))
+        return CostModel(*_COST_TABLES[key], padded=cfg.padded)
+
+    def step_done(self, measured_s: float, rows: int) -> None:
+        """The engine's wall time of the step just run and its forward's row count. Timed calls (CPU) refine
+        the tables; the rest of the difference from the prediction (host work) is the residual."""
+        log = self.runner.call_log
+        if self.costs is not None and log is not None:
+            for method, n, seconds in log:
+                self.costs.observe(_TABLE_OF[method], n, seconds)
+            log.clear()
+        if self._prediction is not None and self.costs is not None:
+            drafting, waiting = self._prediction
+            c = self.costs
+            predicted = c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
+            c.record(drafting > 0, predicted, measured_s)
+        self._prediction = None
+
+    # ------------------------------------------------------------------ 2. propose
+
+    def propose(self, decode: list, ks: list[int]) -> list[list[int]]:
+        """Drafts for each decoding sequence (empty where k = 0); the drafting ones' context is made current
+        first."""
+        live = [(s, k) for s, k in zip(decode, ks) if k > 0]
+        for k in ks:
+            _bump(self.stats.chosen_k_hist, k)
+        if not live:
+            return [[] for _ in decode]
+        self._append_waiting([s.slot for s, _ in live])
+        for s, _ in live:
+            if self._appended.get(s.slot, 0) != s.n_cached:  # an invariant: the drafter sees all committed rows
+                raise RuntimeError(f"draft context of slot {s.slot} holds {self._appended.get(s.slot, 0)} "
+                                   f"positions; the sequence has {s.n_cached} committed")
+        drafts = self.proposer.propose([s for s, _ in live], [k for _, k in live])
+        self.stats.draft_calls += 1
+        it = iter(drafts)
+        return [list(next(it)) if k > 0 else [] for k in ks]
+
+    # ------------------------------------------------------------------ 3. observe and commit
+
+    def observe(self, seq, k: int, accepted: int) -> None:
+        """A decode round of `seq` that verified k drafts accepted `accepted` of them."""
+        if k == 0:
+            if self.adaptive:
+                self.probes.plain(seq.slot)
+            return
+        st = self.stats
+        st.rounds += 1
+        st.drafted_tokens += k
+        st.accepted_tokens += accepted
+        _bump(st.accepted_hist, accepted)
+        if self.adaptive:
+            self.acceptance.observe(seq.slot, k, accepted)
+            probe = seq.slot in self._probing
+            self.probes.drafted(seq.slot, probe, probe and self._paid(k, accepted))
+
+    def commit(self, slot: int, hidden_rows: torch.Tensor) -> None:
+        """Hidden rows [m, taps*dim] of the next m committed positions of `slot` (in position order)."""
+        if hidden_rows.shape[0] == 0:
+            return
+        self._waiting.setdefault(slot, []).append(hidden_rows)
+        self._n_waiting[slot] = self._n_waiting.get(slot, 0) + hidden_rows.shape[0]
+
+    def end_commits(self) -> None:
+        """After a step's commits: append the context of sequences with a full call's worth waiting."""
+        full = [slot for slot, n in self._n_waiting.items() if n >= self._flush_rows]
+        if full:
+            self._append_waiting(full)
+
+    def context_length(self, slot: int) -> int:
+        """Committed positions of `slot` the drafter holds: in its cache or waiting to be appended."""
+        return self._appended.get(slot, 0) + self._n_waiting.get(slot, 0)
+
+    def release(self, slot: int) -> None:
+        """A finished sequence: its draft context and estimates go."""
+        self._waiting.pop(slot, None)
+        self._n_waiting.pop(slot, None)
+        self._appended.pop(slot, None)
+        self.runner.draft_cache.release(slot)
+        self.acceptance.reset(slot)
+        self.probes.reset(slot)
+
+    def _append_waiting(self, slots: list[int]) -> None:
+        rows, positions, seq_slots = [], [], []
+        for slot in slots:
+            parts = self._waiting.pop(slot, None)
+            if not parts:
+                continue
+            m = self._n_waiting.pop(slot)
+            start = self._appended.get(slot, 0)
+            rows += parts
+            positions += range(start, start + m)
+            seq_slots += [slot] * m
+            self._appended[slot] = start + m
+        if not rows:
+            return
+        hidden = rows[0] if len(rows) == 1 else torch.cat(rows)
+        self.runner.draft_append(hidden, torch.tensor(positions, dtype=torch.long),
+                                 torch.tensor(seq_slots, dtype=torch.long))
+        self.stats.context_rows += len(positions)
