@@ -8,14 +8,18 @@ generation with graphs, without graphs and on CPU, both layouts, target-only and
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
+from mg.manifests import constants as C
 from mg.runtime.artifact import load_artifact
+from mg.runtime.config import RunConfig
 from mg.runtime.cuda_graphs import bucket_for, buckets
-from mg.runtime.engine import Engine, StepInputs
+from mg.runtime.engine import Engine
+from mg.runtime.model_runner import StepBatch
 from mg.runtime.scheduler import Request
-from mg.runtime.spec_decode import DFlashEngine
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TARGETS = ["tiny_seq_artifact", "tiny_cell_artifact"]
@@ -34,17 +38,21 @@ def _tokens(engine, reqs) -> list[tuple[int, ...]]:
 
 
 def _recording(engine) -> list:
-    """Record (live N, outputs) of every forward of `engine`."""
+    """Record (live N, outputs) of every target forward of `engine`."""
     seen = []
-    real = engine.forward
+    real = engine.runner.forward
 
-    def forward(inputs):
-        out = real(inputs)
-        seen.append((inputs.tokens.shape[0], [o.detach().clone().cpu() for o in out]))
+    def forward(step):
+        out = real(step)
+        seen.append((step.tokens.shape[0], [o.detach().clone().cpu() for o in out]))
         return out
 
-    engine.forward = forward
+    engine.runner.forward = forward
     return seen
+
+
+def _engine(art, device="cpu", **config) -> Engine:
+    return Engine(load_artifact(art, device=device), RunConfig(device=device, **config))
 
 
 def test_buckets_are_powers_of_two_then_the_limit():
@@ -58,7 +66,7 @@ def test_buckets_are_powers_of_two_then_the_limit():
 def test_padding_rows_on_the_scratch_slot_never_change_live_outputs(which, request, tiny_cfg):
     art = request.getfixturevalue(which)
     reqs = _requests(tiny_cfg.vocab_size)
-    plain, padded = Engine(load_artifact(art)), Engine(load_artifact(art), pad_steps=True)
+    plain, padded = _engine(art), _engine(art, pad_steps=True)
     seen_plain, seen_padded = _recording(plain), _recording(padded)
     assert _tokens(padded, reqs) == _tokens(plain, reqs)
     assert len(seen_plain) == len(seen_padded)
@@ -74,10 +82,12 @@ def test_padding_rows_on_the_scratch_slot_never_change_live_outputs(which, reque
 def test_padded_dflash_rounds_equal_unpadded_rounds(which, request, tiny_cfg):
     art = request.getfixturevalue(which)
     reqs = _requests(tiny_cfg.vocab_size)
-    plain, padded = DFlashEngine(load_artifact(art)), DFlashEngine(load_artifact(art), pad_steps=True)
-    assert _tokens(padded, reqs) == _tokens(plain, reqs) == _tokens(Engine(load_artifact(art)), reqs)
-    assert (padded.stats.rounds, padded.stats.accepted_tokens) == (plain.stats.rounds, plain.stats.accepted_tokens)
-    assert padded.draft_cache.length(padded.draft_cache.scratch_slot) == 0
+    plain, padded = _engine(art, speculation="fixed"), _engine(art, speculation="fixed", pad_steps=True)
+    assert _tokens(padded, reqs) == _tokens(plain, reqs) == _tokens(_engine(art, dflash=False), reqs)
+    a, b = plain.spec_stats, padded.spec_stats
+    assert (b.rounds, b.accepted_tokens, b.accepted_hist) == (a.rounds, a.accepted_tokens, a.accepted_hist)
+    draft_cache = padded.runner.draft_cache
+    assert draft_cache.length(draft_cache.scratch_slot) == 0
 
 
 def test_mg_run_accepts_no_cuda_graphs(tiny_seq_artifact):
@@ -94,9 +104,9 @@ def test_mg_run_accepts_no_cuda_graphs(tiny_seq_artifact):
 # ------------------------------------------------------------------ CUDA
 
 
-def _chunk(n: int, slot: int, start: int, gen: torch.Generator) -> StepInputs:
+def _chunk(n: int, slot: int, start: int, gen: torch.Generator) -> StepBatch:
     toks = torch.randint(4, 500, (n,), generator=gen)
-    return StepInputs(toks, torch.arange(start, start + n), torch.full((n,), slot), torch.arange(n))
+    return StepBatch(toks, torch.arange(start, start + n), torch.full((n,), slot), torch.arange(n))
 
 
 @pytest.mark.cuda
@@ -105,15 +115,14 @@ def _chunk(n: int, slot: int, start: int, gen: torch.Generator) -> StepInputs:
 @pytest.mark.parametrize("use_triton", [None, False])
 def test_graph_replay_equals_eager_for_every_bucket(which, use_triton, request):
     art = request.getfixturevalue(which)
-    eager = Engine(load_artifact(art, device="cuda"), device="cuda", cuda_graphs=False, pad_steps=True,
-                   use_triton=use_triton)
-    graphed = Engine(load_artifact(art, device="cuda"), device="cuda", use_triton=use_triton)
+    eager = _engine(art, "cuda", cuda_graphs=False, pad_steps=True, use_triton=use_triton)
+    graphed = _engine(art, "cuda", use_triton=use_triton)
     limit = graphed.cache.max_write
     gen = torch.Generator().manual_seed(5)
 
 
-    def same(step: StepInputs) -> None:
-        for x, y in zip(eager.forward(step), graphed.forward(step)):
+    def same(step: StepBatch) -> None:
+        for x, y in zip(eager.runner.forward(step), graphed.runner.forward(step)):
             torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-6)
 
     sizes = buckets(limit)
@@ -124,9 +133,9 @@ def test_graph_replay_equals_eager_for_every_bucket(which, use_triton, request):
     eager.cache.release(0), graphed.cache.release(0)
     for slot in range(3):
         same(_chunk(5 + slot, slot, 0, gen))
-    same(StepInputs(torch.tensor([7, 8, 9]), torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), torch.arange(3)))
-    assert graphed._forward_graphs.captured == buckets(limit)
-    assert graphed.stats.graph_replays > graphed.stats.graph_captures > 0
+    same(StepBatch(torch.tensor([7, 8, 9]), torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), torch.arange(3)))
+    assert graphed.runner.captured(C.METHOD_FORWARD) == buckets(limit)
+    assert graphed.graph_counters.replays > graphed.graph_counters.captures > 0
 
 
 @pytest.mark.cuda
@@ -134,16 +143,16 @@ def test_graph_replay_equals_eager_for_every_bucket(which, use_triton, request):
 @pytest.mark.parametrize("which", TARGETS + DFLASH)
 def test_greedy_generation_with_graphs_equals_eager_and_cpu(which, request, tiny_cfg):
     art = request.getfixturevalue(which)
-    cls = DFlashEngine if "dflash" in which else Engine
     reqs = _requests(tiny_cfg.vocab_size)
-    cpu = _tokens(Engine(load_artifact(art)), reqs)
-    eager = _tokens(cls(load_artifact(art, device="cuda"), device="cuda", cuda_graphs=False), reqs)
-    engine = cls(load_artifact(art, device="cuda"), device="cuda")
-    assert _tokens(engine, reqs) == eager == cpu
-    assert engine.stats.graph_replays > 0
-    if "dflash" in which:
-        assert engine._draft_graphs.captured and engine._append_graphs.captured
-        assert engine.stats.rounds > 0
+    cpu = _tokens(_engine(art, dflash=False), reqs)
+    for speculation in ("fixed", "adaptive"):
+        eager = _tokens(_engine(art, "cuda", cuda_graphs=False, speculation=speculation), reqs)
+        engine = _engine(art, "cuda", speculation=speculation)
+        assert _tokens(engine, reqs) == eager == cpu
+        assert engine.graph_counters.replays > 0
+        if "dflash" in which:
+            assert engine.runner.captured(C.METHOD_DRAFT_BLOCK) and engine.runner.captured(C.METHOD_DRAFT_APPEND)
+            assert engine.spec_stats.rounds > 0 or speculation == "adaptive"
 
 
 @pytest.mark.cuda
@@ -151,12 +160,11 @@ def test_greedy_generation_with_graphs_equals_eager_and_cpu(which, request, tiny
 @pytest.mark.parametrize("which", ["tiny_seq_artifact", "tiny_dflash_seq_artifact"])
 def test_storage_growth_recaptures_and_outputs_still_equal(which, request, tiny_cfg):
     art = request.getfixturevalue(which)
-    cls = DFlashEngine if "dflash" in which else Engine
     reqs = _requests(tiny_cfg.vocab_size, lengths=(61, 3), max_new=(33, 40))  # flat columns grow 64 -> 96 rows
-    engine = cls(load_artifact(art, device="cuda"), device="cuda")
+    engine = _engine(art, "cuda", speculation="fixed")
     got = _tokens(engine, reqs)
-    assert engine.cache.metrics().growth_count > 0 and engine.stats.recaptures > 0
-    assert got == _tokens(Engine(load_artifact(art)), reqs)
+    assert engine.cache.metrics().growth_count > 0 and engine.graph_counters.recaptures > 0
+    assert got == _tokens(_engine(art, dflash=False), reqs)
 
 
 
@@ -177,9 +185,30 @@ def test_runner_recaptures_after_its_only_graph_went_stale():
     from mg.runtime.cuda_graphs import GraphCounters, GraphRunner
 
     program, version, counters = _DoubleProgram(), [0], GraphCounters()
-    runner = GraphRunner(program, "m", lambda b: [torch.zeros(b, device="cuda")], lambda: version[0], counters)
+    runner = GraphRunner(lambda inputs: program.run("m", inputs), lambda b: [torch.zeros(b, device="cuda")],
+                         lambda: version[0], counters)
     x = torch.arange(2.0)
     assert runner.run(2, [x])[0].tolist() == [1.0, 3.0]
     program.storage, version[0] = torch.full((4,), 10.0, device="cuda"), 1  # storage moved
     assert runner.run(2, [x])[0].tolist() == [10.0, 12.0]
     assert (counters.captures, counters.recaptures, counters.replays) == (2, 1, 2)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_capture_survives_garbage_collection_of_a_dropped_engine(tiny_dflash_seq_artifact, tiny_cfg):
+    """Engines hold reference cycles, so a dropped one (and its CUDA graphs) goes at a cyclic collection; one
+    that ran during another engine's capture used to invalidate that capture."""
+    art = load_artifact(tiny_dflash_seq_artifact, device="cuda")  # one program shared by every engine
+    reqs = _requests(tiny_cfg.vocab_size)[:3]
+    want = _tokens(_engine(tiny_dflash_seq_artifact, dflash=False), reqs)
+    threshold = gc.get_threshold()
+    try:
+        for config in (RunConfig(device="cuda", speculation="fixed"), RunConfig(device="cuda", dflash=False),
+                       RunConfig(device="cuda")):
+            engine = Engine(art, config)
+            assert _tokens(engine, reqs) == want
+            del engine  # garbage with live CUDA graphs
+            gc.set_threshold(1, 1, 1)  # from now on nearly every allocation runs a full collection
+    finally:
+        gc.set_threshold(*threshold)

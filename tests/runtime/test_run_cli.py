@@ -118,7 +118,9 @@ def test_bad_requests_fail_alone_while_others_complete(tmp_path, tiny_seq_artifa
         {"id": "vocab", "tokens": [1, 100000]},
         {"id": "long", "tokens": [5] * 200},
         {"id": "temp", "tokens": [1, 5], "temperature": -1},
+        {"id": "eos", "tokens": [1, 5], "ignore_eos": "yes"},
         {"id": "good2", "prompt": "abc"},
+        {"id": "all", "tokens": [1, 5], "ignore_eos": True},
     ])
     code, stdout, stderr = _run([tiny_seq_artifact, "--input", reqs, "--max-new-tokens", "3"])
     records = {r["id"]: r for r in map(json.loads, stdout.splitlines())}
@@ -128,3 +130,5 @@ def test_bad_requests_fail_alone_while_others_complete(tmp_path, tiny_seq_artifa
     assert "outside the vocabulary" in records["vocab"]["error"]
     assert "exceeds the artifact's context capacity" in records["long"]["error"]
     assert "temperature" in records["temp"]["error"]
+    assert "'ignore_eos' must be true or false" in records["eos"]["error"]
+    assert records["all"]["finish_reason"] == "length" and len(records["all"]["tokens"]) == 3
