@@ -32,7 +32,7 @@ DraftAttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
 @dataclass(frozen=True)
 class DFlashConfig:
-    """Defaults are the real 30B drafter where ARCHITECTURE.md states them; ffn_dim and mask_token_id are
+    """Defaults are the real 30B drafter where docs/ARCHITECTURE.md states them; ffn_dim and mask_token_id are
     placeholders until the real checkpoint's config.json is seen (a checkpoint always states them)."""
 
     n_layers: int = 5
