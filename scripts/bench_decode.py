@@ -83,9 +83,9 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0)
 
 
-def timed(engine, name: str, device: str, log: list):
-    """Wrap engine.<name> so each call is timed (synchronized) into `log`."""
-    real = getattr(engine, name)
+def timed(runner, name: str, device: str, log: list):
+    """Wrap runner.<name> (a model-runner method) so each call is timed (synchronized) into `log`."""
+    real = getattr(runner, name)
 
     def wrapper(*a, **kw):
         sync(device)
@@ -95,31 +95,31 @@ def timed(engine, name: str, device: str, log: list):
         log.append(time.perf_counter() - t0)
         return out
 
-    setattr(engine, name, wrapper)
+    setattr(runner, name, wrapper)
 
 
 def requests(n: int, max_new: int, vocab: int, seed: int):
     from mg.runtime.scheduler import Request
 
     gen = torch.Generator().manual_seed(seed)
-    return [Request(f"b{seed}-{i}", tuple(torch.randint(4, vocab, (PROMPT,), generator=gen).tolist()), max_new)
-            for i in range(n)]
+    return [Request(f"b{seed}-{i}", tuple(torch.randint(4, vocab, (PROMPT,), generator=gen).tolist()), max_new,
+                    ignore_eos=True) for i in range(n)]
 
 
 def steady_steps(engine, batch: int, warm: int, steps: int, device: str, vocab: int) -> dict:
     """Prefill `batch` sequences, run `warm` decode steps (captures), then time `steps` steps."""
-    engine.eos = frozenset()
     for r in requests(batch, warm + steps + 4 + BLOCK * (warm + steps + 4), vocab, batch):
-        engine.scheduler.submit(r)
+        engine.submit(r)
     while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(warm):
         engine.step()
     fwd, draft = [], []
-    timed(engine, "forward", device, fwd)
-    if hasattr(engine, "propose"):
-        timed(engine, "propose", device, draft)
-    rounds0, acc0, gen0 = engine.stats.rounds, engine.stats.accepted_tokens, engine.stats.generated_tokens
+    timed(engine.runner, "forward", device, fwd)
+    if engine.spec is not None:
+        timed(engine.runner, "draft_block", device, draft)
+    spec = engine.spec_stats
+    rounds0, acc0, gen0 = spec.rounds, spec.accepted_tokens, engine.stats.generated_tokens
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -129,31 +129,32 @@ def steady_steps(engine, batch: int, warm: int, steps: int, device: str, vocab: 
     out = {"step_ms": 1e3 * wall / steps, "forward_ms": 1e3 * statistics.median(fwd),
            "tokens_per_step": (engine.stats.generated_tokens - gen0) / steps}
     if draft:
-        rounds = engine.stats.rounds - rounds0
+        rounds = spec.rounds - rounds0
         out.update(draft_ms=1e3 * statistics.median(draft),
-                   acceptance_length=(engine.stats.accepted_tokens - acc0 + rounds) / max(rounds, 1))
+                   acceptance_length=(spec.accepted_tokens - acc0 + rounds) / max(rounds, 1))
     return out
 
 
 def end_to_end(make, batch: int, max_new: int, vocab: int) -> dict:
     """tokens/s of a whole run (prefill included) after a warm-up run that captured the graphs."""
     engine = make()
-    engine.eos = frozenset()
     engine.run(requests(batch, max_new, vocab, 1000 + batch))
-    gen0, wall0, r0, a0 = (engine.stats.generated_tokens, engine.stats.wall_s, engine.stats.rounds,
-                           engine.stats.accepted_tokens)
+    spec = engine.spec_stats
+    gen0, wall0, r0, a0 = engine.stats.generated_tokens, engine.stats.wall_s, spec.rounds, spec.accepted_tokens
+    k0 = list(spec.chosen_k_hist)
     engine.run(requests(batch, max_new, vocab, 2000 + batch))
     gen, wall = engine.stats.generated_tokens - gen0, engine.stats.wall_s - wall0
-    rounds = engine.stats.rounds - r0
-    return {"tokens_per_s": gen / wall, "generated": gen,
-            "acceptance_length": (engine.stats.accepted_tokens - a0 + rounds) / rounds if rounds else None}
+    rounds = spec.rounds - r0
+    k_hist = [n - (k0[i] if i < len(k0) else 0) for i, n in enumerate(spec.chosen_k_hist)]
+    return {"tokens_per_s": gen / wall, "generated": gen, "chosen_k_hist": k_hist,
+            "acceptance_length": (spec.accepted_tokens - a0 + rounds) / rounds if rounds else None}
 
 
 def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float, res: dict, save) -> dict:
     """Fills `res` measurement by measurement, calling `save()` after each (a run cut short keeps what it measured)."""
     from mg.runtime.artifact import load_artifact
+    from mg.runtime.config import RunConfig
     from mg.runtime.engine import Engine
-    from mg.runtime.spec_decode import DFlashEngine
 
     dev = args.device
     t0 = time.perf_counter()
@@ -163,25 +164,25 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
                                if art.program.info(m).n_inputs})  # ops the interpreter runs per call
     graph_modes = (False, True) if dev == "cuda" else (False,)
 
-    def fresh(cls, **kw):
+    def fresh(**kw):
         gc.collect()
         if dev == "cuda":
             torch.cuda.empty_cache()
-        return cls(art, device=dev, **kw)
+        return Engine(art, RunConfig(device=dev, **kw))
 
     for b in args.batches:
         for graphs in graph_modes:
             steps = args.steps if graphs else max(3, args.steps // 4)
-            r = steady_steps(fresh(Engine, cuda_graphs=graphs), b, 3, steps, dev, cfg.vocab_size)
+            r = steady_steps(fresh(cuda_graphs=graphs, dflash=False), b, 3, steps, dev, cfg.vocab_size)
             res["decode"][f"{b}/{'graphs' if graphs else 'eager'}"] = r
             save()
             print(f"  [{layout}] decode batch {b} {'graphs' if graphs else 'eager '}: {r['step_ms']:.2f} ms/step "
                   f"(forward {r['forward_ms']:.2f} ms; floor {1e3 * weight_bytes / bw:.2f} ms)", flush=True)
     graphs = dev == "cuda"
     for b in args.dflash_batches:
-        r = steady_steps(fresh(DFlashEngine, cuda_graphs=graphs), b, 3, args.steps, dev, cfg.vocab_size)
+        r = steady_steps(fresh(cuda_graphs=graphs, speculation="fixed"), b, 3, args.steps, dev, cfg.vocab_size)
         decode = res["decode"].get(f"{b}/{'graphs' if graphs else 'eager'}") or steady_steps(
-            fresh(Engine, cuda_graphs=graphs), b, 3, args.steps, dev, cfg.vocab_size)
+            fresh(cuda_graphs=graphs, dflash=False), b, 3, args.steps, dev, cfg.vocab_size)
         r["c"] = (r["draft_ms"] + r["forward_ms"]) / decode["forward_ms"]
         r["c_step"] = r["step_ms"] / decode["step_ms"]
         res["dflash"][str(b)] = r
@@ -190,12 +191,14 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
               f"decode {decode['forward_ms']:.2f} ms -> c = {r['c']:.2f} (whole round / whole step "
               f"{r['c_step']:.2f}); acceptance length {r['acceptance_length']:.2f}", flush=True)
     for b in args.dflash_batches:
-        ar = end_to_end(lambda: fresh(Engine, cuda_graphs=graphs), b, args.max_new, cfg.vocab_size)
-        df = end_to_end(lambda: fresh(DFlashEngine, cuda_graphs=graphs), b, args.max_new, cfg.vocab_size)
-        res["e2e"][str(b)] = {"ar": ar, "dflash": df}
+        ar = end_to_end(lambda: fresh(cuda_graphs=graphs, dflash=False), b, args.max_new, cfg.vocab_size)
+        df = end_to_end(lambda: fresh(cuda_graphs=graphs, speculation="fixed"), b, args.max_new, cfg.vocab_size)
+        ad = end_to_end(lambda: fresh(cuda_graphs=graphs), b, args.max_new, cfg.vocab_size)
+        res["e2e"][str(b)] = {"ar": ar, "dflash": df, "adaptive": ad}
         save()
-        print(f"  [{layout}] end-to-end batch {b}: AR {ar['tokens_per_s']:.1f} tok/s, DFlash "
-              f"{df['tokens_per_s']:.1f} tok/s (acceptance length {df['acceptance_length']:.2f})", flush=True)
+        print(f"  [{layout}] end-to-end batch {b}: AR {ar['tokens_per_s']:.1f} tok/s, DFlash fixed "
+              f"{df['tokens_per_s']:.1f} tok/s (acceptance length {df['acceptance_length']:.2f}), adaptive "
+              f"{ad['tokens_per_s']:.1f} tok/s (chosen k {ad['chosen_k_hist']})", flush=True)
     del art
     return res
 
@@ -223,11 +226,14 @@ def tables(report: dict) -> str:
             lines.append(f"| {layout} | {b} | {r['draft_ms']:.2f} | {r['forward_ms']:.2f} | {d:.2f} | {r['c']:.2f} | "
                          f"{r['c_step']:.2f} | {r['acceptance_length']:.2f} |")
     lines += ["", f"End to end ({PROMPT}-token prompts, {report['max_new']} new tokens each, after a warm-up run)",
-              "", "| layout | batch | AR tok/s | DFlash tok/s | DFlash acceptance length |", "|---|---|---|---|---|"]
+              "", "| layout | batch | AR tok/s | DFlash fixed tok/s | fixed acceptance length | DFlash adaptive tok/s "
+              "| adaptive chosen k |", "|---|---|---|---|---|---|---|"]
     for layout, res in report["layouts"].items():
         for b, r in res["e2e"].items():
+            ad = r.get("adaptive")
             lines.append(f"| {layout} | {b} | {r['ar']['tokens_per_s']:.1f} | {r['dflash']['tokens_per_s']:.1f} | "
-                         f"{r['dflash']['acceptance_length']:.2f} |")
+                         f"{r['dflash']['acceptance_length']:.2f} | "
+                         f"{ad['tokens_per_s'] if ad else float('nan'):.1f} | {ad['chosen_k_hist'] if ad else '-'} |")
     lines += ["", "Interpreter steps (op calls) per method call: " + "; ".join(
         f"{layout}: " + ", ".join(f"{m} {n}" for m, n in res.get("steps_per_call", {}).items())
         for layout, res in report["layouts"].items())]

@@ -1,9 +1,10 @@
 """Evaluate DFlash on held-out prompts: losslessness, acceptance length, and speedup over target-only.
 
-For each KV layout: export the checkpoint pair (or reuse --artifact-dir), then run the prompts of
-`--prompts` (JSONL, one {"id", "prompt"} per line) greedily with target-only decoding and with DFlash,
-each prompt alone (per-prompt acceptance and time) and all together (throughput). Prints a Markdown table
-and writes JSON with the distribution per prompt and per block row.
+For each KV layout: export the checkpoint pair, then run the prompts of `--prompts` (JSONL, one
+{"id", "prompt"} per line) greedily with target-only decoding and with DFlash (`--speculation`:
+adaptive, fixed, or both), each prompt alone (per-prompt acceptance and time) and all together
+(throughput). Prints a Markdown table and writes JSON with the distribution per prompt and per block
+row, and the histogram of chosen draft lengths k (k = 0: a plain decode step).
 
     python scripts/eval_dflash.py --out eval.json                      # the embedded default, on CPU
     python scripts/eval_dflash.py --device cuda --out eval_cuda.json
@@ -35,20 +36,28 @@ def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: i
     return out
 
 
-def _run(artifact_dir: Path, reqs, dflash: bool, device: str):
-    from mg.runtime.artifact import load_artifact
-    from mg.runtime.engine import Engine
-    from mg.runtime.spec_decode import DFlashEngine
+_ARTIFACTS: dict = {}
 
-    art = load_artifact(artifact_dir, device=device)
-    engine = DFlashEngine(art, device=device) if dflash else Engine(art, device=device)
+
+def _run(artifact_dir: Path, reqs, speculation: str | None, device: str):
+    """One engine (target-only when `speculation` is None) over `reqs`; the artifact is loaded once per
+    process and the engine built (and its costs measured) before the clock starts."""
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.config import RunConfig
+    from mg.runtime.engine import Engine
+
+    key = (str(artifact_dir), device)
+    if key not in _ARTIFACTS:
+        _ARTIFACTS[key] = load_artifact(artifact_dir, device=device)
+    config = RunConfig(device=device, dflash=speculation is not None, speculation=speculation or "adaptive")
+    engine = Engine(_ARTIFACTS[key], config)
     t0 = time.perf_counter()
     results = engine.run(reqs)
     if device == "cuda":
         import torch
 
         torch.cuda.synchronize()
-    return results, engine.stats, time.perf_counter() - t0
+    return results, engine.spec_stats, time.perf_counter() - t0
 
 
 def _requests(path: Path, artifact_dir: Path, max_new: int):
@@ -70,40 +79,55 @@ def _row_acceptance(hist: list[int], block: int) -> list[float]:
     return [sum(hist[i:]) / rounds if rounds else 0.0 for i in range(1, block)]  # hist may be shorter
 
 
-def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str) -> dict:
+def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str, policies: list[str]) -> dict:
+    """Target-only vs each speculation policy: each prompt alone, then all prompts in one batch."""
     reqs = _requests(prompts, artifact_dir, max_new)
-    per_prompt = []
-    for req in reqs:
-        ar, ar_stats, ar_s = _run(artifact_dir, [req], False, device)
-        sd, sd_stats, sd_s = _run(artifact_dir, [req], True, device)
-        per_prompt.append({"id": req.id, "prompt_tokens": len(req.prompt), "generated": len(sd[0].tokens),
-                           "lossless": ar[0].tokens == sd[0].tokens,
-                           "acceptance_length": sd_stats.mean_acceptance_length,
-                           "target_only_s": ar_s, "dflash_s": sd_s, "speedup": ar_s / sd_s})
-    ar, ar_stats, ar_s = _run(artifact_dir, reqs, False, device)
-    sd, sd_stats, sd_s = _run(artifact_dir, reqs, True, device)
     from mg.manifests import read_manifest
 
     block = read_manifest(artifact_dir / "manifest.json").draft.block_size
-    return {
-        "lossless_all": all(a.tokens == b.tokens for a, b in zip(ar, sd)) and all(p["lossless"] for p in per_prompt),
-        "batched": {"target_only_tokens_per_s": ar_stats.generated_tokens / ar_s,
-                    "dflash_tokens_per_s": sd_stats.generated_tokens / sd_s, "speedup": ar_s / sd_s,
-                    "mean_acceptance_length": sd_stats.mean_acceptance_length, "rounds": sd_stats.rounds},
-        "acceptance_hist": list(sd_stats.accepted_hist),
-        "row_acceptance": _row_acceptance(list(sd_stats.accepted_hist), block),
-        "per_prompt": per_prompt,
-    }
+    per_prompt = {p: [] for p in policies}
+    lossless = True
+    for req in reqs:
+        ar, _, ar_s = _run(artifact_dir, [req], None, device)
+        for policy in policies:
+            sd, sd_stats, sd_s = _run(artifact_dir, [req], policy, device)
+            lossless &= ar[0].tokens == sd[0].tokens
+            per_prompt[policy].append({
+                "id": req.id, "prompt_tokens": len(req.prompt), "generated": len(sd[0].tokens),
+                "lossless": ar[0].tokens == sd[0].tokens, "acceptance_length": sd_stats.mean_acceptance_length,
+                "chosen_k_hist": list(sd_stats.chosen_k_hist), "target_only_s": ar_s, "dflash_s": sd_s,
+                "speedup": ar_s / sd_s})
+    ar, ar_stats, ar_s = _run(artifact_dir, reqs, None, device)
+    generated = sum(len(r.tokens) for r in ar)
+    out = {"target_only_tokens_per_s": generated / ar_s, "policies": {}}
+    for policy in policies:
+        sd, sd_stats, sd_s = _run(artifact_dir, reqs, policy, device)
+        lossless &= all(a.tokens == b.tokens for a, b in zip(ar, sd))
+        speedups = [p["speedup"] for p in per_prompt[policy]]
+        out["policies"][policy] = {
+            "batched": {"dflash_tokens_per_s": sum(len(r.tokens) for r in sd) / sd_s, "speedup": ar_s / sd_s,
+                        "mean_acceptance_length": sd_stats.mean_acceptance_length, "rounds": sd_stats.rounds,
+                        "chosen_k_hist": list(sd_stats.chosen_k_hist)},
+            "single_speedup_median": statistics.median(speedups), "single_speedup_min": min(speedups),
+            "acceptance_hist": list(sd_stats.accepted_hist),
+            "row_acceptance": _row_acceptance(list(sd_stats.accepted_hist), block),
+            "per_prompt": per_prompt[policy],
+        }
+    out["lossless_all"] = lossless
+    return out
 
 
 def _table(results: dict) -> str:
-    lines = ["| layout | lossless | mean acceptance length | median per prompt | AR tok/s | DFlash tok/s | speedup |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| layout | speculation | lossless | batched acceptance length | AR tok/s | DFlash tok/s | batched "
+             "speedup | single-prompt speedup median (min) | chosen k histogram (batched) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for layout, r in results["layouts"].items():
-        b = r["batched"]
-        med = statistics.median(p["acceptance_length"] for p in r["per_prompt"])
-        lines.append(f"| {layout} | {r['lossless_all']} | {b['mean_acceptance_length']:.2f} | {med:.2f} | "
-                     f"{b['target_only_tokens_per_s']:.1f} | {b['dflash_tokens_per_s']:.1f} | {b['speedup']:.2f}x |")
+        for policy, p in r["policies"].items():
+            b = p["batched"]
+            lines.append(f"| {layout} | {policy} | {r['lossless_all']} | {b['mean_acceptance_length']:.2f} | "
+                         f"{r['target_only_tokens_per_s']:.1f} | {b['dflash_tokens_per_s']:.1f} | "
+                         f"{b['speedup']:.2f}x | {p['single_speedup_median']:.2f}x ({p['single_speedup_min']:.2f}x) "
+                         f"| {b['chosen_k_hist']} |")
     return "\n".join(lines)
 
 
@@ -116,6 +140,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--speculation", default="adaptive,fixed", help="comma-separated: adaptive, fixed")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     if args.checkpoint is None:
@@ -123,15 +148,17 @@ def main() -> int:
 
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
     results = {"device": args.device, "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens,
-               "layouts": {}}
+               "speculation": args.speculation.split(","), "layouts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
             art = _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / layout, args.max_context)
-            results["layouts"][layout] = evaluate_layout(art, args.prompts, args.max_new_tokens, args.device)
+            results["layouts"][layout] = evaluate_layout(art, args.prompts, args.max_new_tokens, args.device,
+                                                         args.speculation.split(","))
     table = _table(results)
     print(table)
     for layout, r in results["layouts"].items():
-        print(f"{layout}: P(row i accepted) = " + ", ".join(f"{x:.2f}" for x in r["row_acceptance"]))
+        for policy, p in r["policies"].items():
+            print(f"{layout} {policy}: P(row i accepted) = " + ", ".join(f"{x:.2f}" for x in p["row_acceptance"]))
     results["table"] = table
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0 if all(r["lossless_all"] for r in results["layouts"].values()) else 1

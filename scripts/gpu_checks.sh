@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# All GPU checks and benchmarks in one go: CUDA tests (kernels, caches, sampling, CUDA graphs, engines), then
-# the attention and decode benchmarks. Results (logs, JSON, Markdown tables) go to ${OUT:-gpu-results}.
-# Works from a source checkout without installing: the mg.* namespace is mapped with links.
+# All GPU checks and benchmarks in one go: CUDA tests (kernels, caches, sampling, CUDA graphs, engines), the
+# attention and decode benchmarks, and the DFlash evaluation of the embedded default on CUDA. Results (logs,
+# JSON, Markdown tables) go to ${OUT:-gpu-results}. Works from a source checkout without installing: the mg.*
+# namespace is mapped with links.
+#
+#   scripts/gpu_checks.sh                      # everything: tests attention decode eval
+#   scripts/gpu_checks.sh tests eval           # only those steps, in that order
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
@@ -12,7 +16,18 @@ mkdir -p "$NS/mg"
 for pkg in export runtime kernels manifests; do ln -s "$ROOT/$pkg" "$NS/mg/$pkg"; done
 export PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
-python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/runtime \
-    2>&1 | tee "$OUT/cuda_tests.log"
-python3 scripts/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md"
-python3 scripts/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.md"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention decode eval)
+status=0
+for step in "${steps[@]}"; do
+    case "$step" in
+        tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/runtime 2>&1 | tee "$OUT/cuda_tests.log" ;;
+        attention) python3 scripts/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" ;;
+        decode) python3 scripts/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.md" ;;
+        eval) python3 scripts/eval_dflash.py --device cuda --out "$OUT/eval_dflash_cuda.json" 2>&1 \
+                  | grep -v "Warning\|return cls" | tee "$OUT/eval_dflash_cuda.md" ;;
+        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention decode eval" >&2; exit 2 ;;
+    esac
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+exit $status
