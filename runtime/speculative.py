@@ -24,8 +24,7 @@ drafts, `draft_block` at the drafting batch and `draft_append` of the rows
 waiting. Those times come from the model runner's per-bucket measurements
 on blank inputs (taken once per program, device and mode, when the engine
 starts), moved towards every timed call where calls are synchronous (CPU),
-plus a residual for what no table holds (host work), kept apart for steps
-with and without drafts. Draft rows go one at a time, highest expected gain
+plus a residual for what no table holds (host work per step). Draft rows go one at a time, highest expected gain
 first (`prod_{l<=j} a_l` decreases in j, so each sequence's rows go in
 order), and the round keeps the prefix with the most tokens per second, so
 each sequence drafts only where it pays. Estimates: per sequence, decayed
@@ -179,8 +178,8 @@ class CostModel:
     `forward(n)`, `draft(b)`, `append(m)`: the time at n's bucket when calls are padded to buckets, else
     interpolated linearly between measured sizes. `observe(name, n, seconds)` moves the bucket's entry
     towards a measured call (where calls are synchronous: on CPU; blank-input measurements miss attention
-    over real contexts). `residual(drafting)`: the mean of (measured step - predicted step), kept apart for
-    steps with and without drafting (host work the tables do not hold)."""
+    over real contexts). `residual()`: the mean of (measured step - predicted step): host work the tables do
+    not hold, the same for every step."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2):
@@ -188,8 +187,8 @@ class CostModel:
         self._sizes = {name: sorted(t) for name, t in self.tables.items()}
         self.padded = padded
         self.smoothing = smoothing
-        self._residual = {False: 0.0, True: 0.0}
-        self._seen = {False: False, True: False}
+        self._residual = 0.0
+        self._seen = False
 
     def _at(self, name: str, n: int) -> float:
         if n <= 0:
@@ -224,15 +223,16 @@ class CostModel:
             return
         table[hi] += self.smoothing * (seconds * table[hi] / expected - table[hi])
 
-    def residual(self, drafting: bool) -> float:
-        return self._residual[drafting]
+    def residual(self) -> float:
+        return self._residual
 
-    def record(self, drafting: bool, predicted: float, measured: float) -> None:
+    def record(self, predicted: float, measured: float) -> None:
+        """A whole step took `measured` seconds where the tables predicted `predicted`."""
         err = measured - predicted
-        if not self._seen[drafting]:
-            self._seen[drafting], self._residual[drafting] = True, err
+        if not self._seen:
+            self._seen, self._residual = True, err
         else:
-            self._residual[drafting] += self.smoothing * (err - self._residual[drafting])
+            self._residual += self.smoothing * (err - self._residual)
 
 
 _COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
@@ -303,7 +303,7 @@ class Speculator:
         n = len(decode)
         ks = [0] * n
         rows, tokens, drafting, waiting = 0, 0.0, 0, 0
-        best_ratio = n / (costs.forward(n) + costs.residual(False))
+        best_ratio = n / (costs.forward(n) + costs.residual())
         best, taken = 0, []
         for neg_p, i, _ in order:
             if rows >= rows_left:
@@ -315,7 +315,7 @@ class Speculator:
                 drafting += 1
                 waiting += self._n_waiting.get(decode[i].slot, 0)
             ks[i] += 1
-            t = costs.forward(n + rows) + costs.draft(drafting) + costs.append(waiting) + costs.residual(True)
+            t = costs.forward(n + rows) + costs.draft(drafting) + costs.append(waiting) + costs.residual()
             ratio = (n + tokens) / t
             if ratio > best_ratio:
                 best_ratio, best = ratio, len(taken)
@@ -335,8 +335,7 @@ class Speculator:
     def _paid(self, k: int, accepted: int) -> bool:
         """Did a round of one sequence with k drafts commit tokens faster than plain steps would have?"""
         c = self.costs
-        return (accepted + 1) * (c.forward(1) + c.residual(False)) >= (
-            c.forward(1 + k) + c.draft(1) + c.residual(True))
+        return (accepted + 1) * (c.forward(1) + c.residual()) >= c.forward(1 + k) + c.draft(1) + c.residual()
 
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
@@ -359,7 +358,7 @@ class Speculator:
             drafting, waiting = self._prediction
             c = self.costs
             predicted = c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
-            c.record(drafting > 0, predicted, measured_s)
+            c.record(predicted, measured_s)
         self._prediction = None
 
     # ------------------------------------------------------------------ 2. propose

@@ -325,9 +325,10 @@ def test_cost_model_interpolates_and_corrects_online():
     for _ in range(50):  # calls of 3 rows really take 5.0: the 4-row entry moves so that forward(3) -> 5.0
         costs.observe("forward", 3, 5.0)
     assert costs.forward(3) == pytest.approx(5.0, rel=1e-3) and costs.forward(1) == 1.0
-    costs.record(True, predicted=1.0, measured=1.5)
-    costs.record(False, predicted=1.0, measured=0.9)
-    assert costs.residual(True) == 0.5 and costs.residual(False) == pytest.approx(-0.1)
+    costs.record(predicted=1.0, measured=1.5)
+    assert costs.residual() == 0.5
+    costs.record(predicted=1.0, measured=0.5)
+    assert costs.residual() == pytest.approx(0.5 + 0.2 * (-0.5 - 0.5))
 
 
 def test_adaptive_stops_drafting_a_drafter_that_never_agrees(tiny_dflash_seq_artifact, tiny_cfg):
