@@ -157,8 +157,9 @@ class ProbeSchedule:
         self._wait = [start] * n_slots
         self._since = [0] * n_slots  # plain steps since the slot last drafted
 
-    def due(self, slot: int) -> bool:
-        return self._since[slot] >= self._wait[slot]
+    def due(self, slot: int, share: float = 1.0) -> bool:
+        """Has `slot` waited `share` of its wait?"""
+        return self._since[slot] >= share * self._wait[slot]
 
     def plain(self, slot: int) -> None:
         self._since[slot] += 1
@@ -284,11 +285,16 @@ class Speculator:
             return ks
         ks = self._best_drafts(decode, limits, rows_left)
         rows_left -= sum(ks)
-        for i, s in enumerate(decode):  # sequences kept at k = 0 for a while probe
-            if ks[i] == 0 and limits[i] > 0 and rows_left > 0 and self.probes.due(s.slot):
-                ks[i] = min(limits[i], rows_left, self._probe_rows(len(decode) + sum(ks)))
-                rows_left -= ks[i]
-                self._probing.add(s.slot)
+        # Sequences kept at k = 0 for a while probe; once the step pays for a draft call anyway, those
+        # halfway to their probe join it (their probe costs only verify rows now).
+        for share in (1.0, 0.5):
+            if share < 1.0 and not any(ks):
+                break
+            for i, s in enumerate(decode):
+                if ks[i] == 0 and limits[i] > 0 and rows_left > 0 and self.probes.due(s.slot, share):
+                    ks[i] = min(limits[i], rows_left, self._probe_rows(len(decode) + sum(ks)))
+                    rows_left -= ks[i]
+                    self._probing.add(s.slot)
         chosen = [i for i, k in enumerate(ks) if k]
         self._prediction = (len(chosen), sum(self._n_waiting.get(decode[i].slot, 0) for i in chosen))
         return ks
