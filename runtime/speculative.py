@@ -178,23 +178,28 @@ class CostModel:
 
     `forward(n)`, `draft(b)`, `append(m)`: the time at n's bucket when calls are padded to buckets, else
     interpolated linearly between measured sizes. `observe(name, n, seconds)` moves the bucket's entry
-    towards a measured call (where calls are synchronous: on CPU; blank-input measurements miss attention
-    over real contexts). `residual()`: the mean of (measured step - predicted step): host work the tables do
+    towards a measured call, and buckets not timed yet by the mean ratio of measured to blank-input time
+    (calls are timed where they are synchronous: on CPU; blank inputs miss attention over real contexts). `residual()`: the mean of (measured step - predicted step): host work the tables do
     not hold, the same for every step."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2):
         self.tables = {"forward": dict(forward), "draft": dict(draft), "append": dict(append)}
+        self._blank = {name: dict(t) for name, t in self.tables.items()}
         self._sizes = {name: sorted(t) for name, t in self.tables.items()}
+        self._seen_sizes: dict[str, set] = {name: set() for name in self.tables}
+        self._scale = {name: 1.0 for name in self.tables}  # measured / blank, over every timed call
         self.padded = padded
         self.smoothing = smoothing
         self._residual = 0.0
         self._seen = False
 
     def _at(self, name: str, n: int) -> float:
+        return self._at_table(self.tables[name], self._sizes[name], n)
+
+    def _at_table(self, table: dict[int, float], sizes: list[int], n: int) -> float:
         if n <= 0:
             return 0.0
-        table, sizes = self.tables[name], self._sizes[name]
         if n >= sizes[-1]:
             last = sizes[-1]
             return table[last] * n / last  # beyond the largest call: calls of the largest size
@@ -216,13 +221,25 @@ class CostModel:
         return self._at("append", m)
 
     def observe(self, name: str, n: int, seconds: float) -> None:
-        """A measured call of `name` with leading dimension n: its bucket's entry moves towards it."""
-        table, sizes = self.tables[name], self._sizes[name]
-        hi = sizes[min(bisect.bisect_left(sizes, n), len(sizes) - 1)]
-        expected = self._at(name, n)
-        if n <= 0 or expected <= 0:
+        """A measured call of `name` with leading dimension n: its bucket's entry moves towards it, and the
+        entries of buckets not timed yet follow the mean ratio of measured to blank-input time."""
+        table, sizes, blank = self.tables[name], self._sizes[name], self._blank[name]
+        if n <= 0:
             return
-        table[hi] += self.smoothing * (seconds * table[hi] / expected - table[hi])
+        hi = sizes[min(bisect.bisect_left(sizes, n), len(sizes) - 1)]
+        expected, expected_blank = self._at(name, n), self._at_table(blank, sizes, n)
+        if expected <= 0 or expected_blank <= 0:
+            return
+        a = self.smoothing
+        self._scale[name] += a * (seconds / expected_blank - self._scale[name])
+        if hi in self._seen_sizes[name]:
+            table[hi] += a * (seconds * table[hi] / expected - table[hi])
+        else:
+            self._seen_sizes[name].add(hi)
+            table[hi] = seconds * table[hi] / expected
+        for size in sizes:
+            if size not in self._seen_sizes[name]:
+                table[size] = blank[size] * self._scale[name]
 
     def residual(self) -> float:
         return self._residual
