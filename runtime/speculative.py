@@ -282,6 +282,7 @@ class Speculator:
         self._appended: dict[int, int] = {}  # slot -> positions in the draft cache
         self._prediction: Optional[tuple[int, int]] = None  # (sequences drafting, context rows to append)
         self._probing: set[int] = set()  # slots whose draft this round is a probe
+        self._probe_cost: dict[int, tuple[float, float]] = {}  # slot -> (seconds on top of a plain step, tok/s)
         if self.adaptive:
             self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
             if runner.device.type == "cpu":  # calls are synchronous there: time each one
@@ -314,6 +315,12 @@ class Speculator:
                     self._probing.add(s.slot)
         chosen = [i for i, k in enumerate(ks) if k]
         self._prediction = (len(chosen), sum(self._n_waiting.get(decode[i].slot, 0) for i in chosen))
+        if self._probing:  # what each probe costs on top of a plain step, and a plain step's tokens per second
+            c, n, rows = self.costs, len(decode), len(decode) + sum(ks)
+            rate = n / (c.forward(n) + c.residual())
+            share = c.draft(len(chosen)) / len(chosen)
+            self._probe_cost = {decode[i].slot: (c.forward(rows) - c.forward(rows - ks[i]) + share, rate)
+                                for i in chosen if decode[i].slot in self._probing}
         return ks
 
     def _best_drafts(self, decode: list, limits: list[int], rows_left: int) -> list[int]:
@@ -355,10 +362,11 @@ class Speculator:
             k += 1
         return k
 
-    def _paid(self, k: int, accepted: int) -> bool:
-        """Did a round of one sequence with k drafts commit tokens faster than plain steps would have?"""
-        c = self.costs
-        return (accepted + 1) * (c.forward(1) + c.residual()) >= c.forward(1 + k) + c.draft(1) + c.residual()
+    def _paid(self, slot: int, accepted: int) -> bool:
+        """Did a probe's accepted drafts come faster than plain steps make tokens? Its cost is its verify rows
+        and its share of the draft call, as the cost model saw them when it was chosen."""
+        extra_s, rate = self._probe_cost[slot]
+        return accepted >= rate * extra_s
 
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
@@ -420,7 +428,7 @@ class Speculator:
         if self.adaptive:
             self.acceptance.observe(seq.slot, k, accepted)
             probe = seq.slot in self._probing
-            self.probes.drafted(seq.slot, probe, probe and self._paid(k, accepted))
+            self.probes.drafted(seq.slot, probe, probe and self._paid(seq.slot, accepted))
 
     def commit(self, slot: int, hidden_rows: torch.Tensor) -> None:
         """Hidden rows [m, taps*dim] of the next m committed positions of `slot` (in position order)."""
