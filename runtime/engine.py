@@ -100,6 +100,12 @@ class Engine:
         return done
 
     def run(self, requests: Iterable[Request]) -> list[Result]:
+        """Serve `requests` to the end; ids must be unique (ValueError before any work otherwise)."""
+        requests = list(requests)
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"request id {dup!r} appears more than once; ids must be unique")
         order, refused = [], {}
         for req in requests:
             order.append(req.id)

@@ -105,6 +105,11 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
             raise ServeError(f"{input_path}: cannot read ({e.strerror})") from None
         except ValueError as e:
             raise ServeError(str(e)) from None
+        taken = {f"prompt-{i}" for i in range(len(prompts))}
+        clash = next((item.id for item in items[len(prompts):] if item.id in taken), None)
+        if clash is not None:
+            raise ServeError(f"{input_path}: request id {clash!r} is also the id of --prompt {clash.split('-')[1]} "
+                             f"(--prompt requests are named prompt-0, prompt-1, ...); ids must be unique")
     if config.draft_block is not None and not artifact.has_draft:
         raise ServeError(f"--draft-block was given, but {artifact_dir} has no drafter")
     try:

@@ -24,7 +24,8 @@ drafts, `draft_block` at the drafting batch and `draft_append` of the rows
 waiting. Those times come from the model runner's per-bucket measurements
 on blank inputs (taken once per program, device and mode, when the engine
 starts), moved towards every timed call where calls are synchronous (CPU),
-plus a residual for what no table holds (host work per step). Draft rows go one at a time, highest expected gain
+plus a residual for what no table holds (host work per step), kept apart for
+steps with and without drafts. Draft rows go one at a time, highest expected gain
 first (`prod_{l<=j} a_l` decreases in j, so each sequence's rows go in
 order), and the round keeps the prefix with the most tokens per second, so
 each sequence drafts only where it pays. Estimates: per sequence, decayed
@@ -179,8 +180,9 @@ class CostModel:
     `forward(n)`, `draft(b)`, `append(m)`: the time at n's bucket when calls are padded to buckets, else
     interpolated linearly between measured sizes. `observe(name, n, seconds)` moves the bucket's entry
     towards a measured call, and buckets not timed yet by the mean ratio of measured to blank-input time
-    (calls are timed where they are synchronous: on CPU; blank inputs miss attention over real contexts). `residual()`: the mean of (measured step - predicted step): host work the tables do
-    not hold, the same for every step."""
+    (calls are timed where they are synchronous: on CPU; blank inputs miss attention over real contexts). `residual(drafting)`: the mean of (measured step - predicted step), for steps with
+    and without drafts apart: host work the tables do not hold (a drafting step on CUDA waits for its drafts
+    on the host before the target step is launched)."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2):
@@ -191,8 +193,8 @@ class CostModel:
         self._scale = {name: 1.0 for name in self.tables}  # measured / blank, over every timed call
         self.padded = padded
         self.smoothing = smoothing
-        self._residual = 0.0
-        self._seen = False
+        self._residual = {False: 0.0, True: 0.0}
+        self._seen = {False: False, True: False}
 
     def _at(self, name: str, n: int) -> float:
         return self._at_table(self.tables[name], self._sizes[name], n)
@@ -241,16 +243,22 @@ class CostModel:
             if size not in self._seen_sizes[name]:
                 table[size] = blank[size] * self._scale[name]
 
-    def residual(self) -> float:
-        return self._residual
+    def residual(self, drafting: bool) -> float:
+        """Host work per step, with or without drafts (until a mode is seen, the other mode's). A drafting step
+        does all a plain step does and more, so its residual is never taken below the plain one."""
+        if not self._seen[drafting] and self._seen[not drafting]:
+            return self._residual[not drafting]
+        if drafting:
+            return max(self._residual[True], self._residual[False])
+        return self._residual[False]
 
-    def record(self, predicted: float, measured: float) -> None:
+    def record(self, drafting: bool, predicted: float, measured: float) -> None:
         """A whole step took `measured` seconds where the tables predicted `predicted`."""
         err = measured - predicted
-        if not self._seen:
-            self._seen, self._residual = True, err
+        if not self._seen[drafting]:
+            self._seen[drafting], self._residual[drafting] = True, err
         else:
-            self._residual += self.smoothing * (err - self._residual)
+            self._residual[drafting] += self.smoothing * (err - self._residual[drafting])
 
 
 _COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
@@ -317,7 +325,7 @@ class Speculator:
         self._prediction = (len(chosen), sum(self._n_waiting.get(decode[i].slot, 0) for i in chosen))
         if self._probing:  # what each probe costs on top of a plain step, and a plain step's tokens per second
             c, n, rows = self.costs, len(decode), len(decode) + sum(ks)
-            rate = n / (c.forward(n) + c.residual())
+            rate = n / (c.forward(n) + c.residual(False))
             share = c.draft(len(chosen)) / len(chosen)
             self._probe_cost = {decode[i].slot: (c.forward(rows) - c.forward(rows - ks[i]) + share, rate)
                                 for i in chosen if decode[i].slot in self._probing}
@@ -333,7 +341,7 @@ class Speculator:
         n = len(decode)
         ks = [0] * n
         rows, tokens, drafting, waiting = 0, 0.0, 0, 0
-        best_ratio = n / (costs.forward(n) + costs.residual())
+        best_ratio = n / (costs.forward(n) + costs.residual(False))
         best, taken = 0, []
         for neg_p, i, _ in order:
             if rows >= rows_left:
@@ -345,7 +353,7 @@ class Speculator:
                 drafting += 1
                 waiting += self._n_waiting.get(decode[i].slot, 0)
             ks[i] += 1
-            t = costs.forward(n + rows) + costs.draft(drafting) + costs.append(waiting) + costs.residual()
+            t = costs.forward(n + rows) + costs.draft(drafting) + costs.append(waiting) + costs.residual(True)
             ratio = (n + tokens) / t
             if ratio > best_ratio:
                 best_ratio, best = ratio, len(taken)
@@ -389,7 +397,7 @@ class Speculator:
             drafting, waiting = self._prediction
             c = self.costs
             predicted = c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
-            c.record(predicted, measured_s)
+            c.record(drafting > 0, predicted, measured_s)
         self._prediction = None
 
     # ------------------------------------------------------------------ 2. propose

@@ -132,3 +132,23 @@ def test_bad_requests_fail_alone_while_others_complete(tmp_path, tiny_seq_artifa
     assert "temperature" in records["temp"]["error"]
     assert "'ignore_eos' must be true or false" in records["eos"]["error"]
     assert records["all"]["finish_reason"] == "length" and len(records["all"]["tokens"]) == 3
+
+
+def test_input_id_clashing_with_a_prompt_id_is_refused_before_any_work(tmp_path, tiny_seq_artifact):
+    reqs = _write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "tokens": [1, 5]}, {"id": "prompt-0", "tokens": [1, 6]}])
+    out = tmp_path / "out.jsonl"
+    code, stdout, stderr = _run([tiny_seq_artifact, "--prompt", "x", "--input", reqs, "--output", out])
+    line = _error_line(stderr)
+    assert code == 2 and "'prompt-0' is also the id of --prompt 0" in line
+    assert not out.exists() and stdout == ""
+
+
+def test_engine_refuses_duplicate_ids(tiny_seq_artifact):
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.engine import Engine
+    from mg.runtime.scheduler import Request
+
+    engine = Engine(load_artifact(tiny_seq_artifact))
+    with pytest.raises(ValueError, match="'x' appears more than once"):
+        engine.run([Request("x", (1, 5), 2), Request("x", (1, 6), 2)])
+    assert engine.scheduler.idle and engine.stats.steps == 0

@@ -326,10 +326,11 @@ def test_cost_model_interpolates_and_corrects_online():
         costs.observe("forward", 3, 5.0)
     assert costs.forward(3) == pytest.approx(5.0, rel=1e-3)
     assert costs.forward(1) == pytest.approx(2.0, rel=1e-3)  # never timed: blank time x the measured ratio
-    costs.record(predicted=1.0, measured=1.5)
-    assert costs.residual() == 0.5
-    costs.record(predicted=1.0, measured=0.5)
-    assert costs.residual() == pytest.approx(0.5 + 0.2 * (-0.5 - 0.5))
+    costs.record(False, predicted=1.0, measured=1.5)
+    assert costs.residual(False) == costs.residual(True) == 0.5  # drafting steps not seen yet: the same
+    costs.record(True, predicted=1.0, measured=3.0)
+    costs.record(False, predicted=1.0, measured=0.5)
+    assert costs.residual(True) == 2.0 and costs.residual(False) == pytest.approx(0.5 + 0.2 * (-0.5 - 0.5))
 
 
 def test_adaptive_stops_drafting_a_drafter_that_never_agrees(tiny_dflash_seq_artifact, tiny_cfg):
