@@ -88,6 +88,10 @@ class Engine:
     def graph_counters(self) -> GraphCounters:
         return self.runner.counters
 
+    def warm_up(self) -> None:
+        """Capture the CUDA graphs of every bucket now rather than at first use (no-op without graphs)."""
+        self.runner.warm_up()
+
     def submit(self, request: Request) -> None:
         """Queue a request (RequestError when it can never be served)."""
         self.scheduler.submit(request)

@@ -141,6 +141,15 @@ class ModelRunner:
             self.call_log.append((method, rows, time.perf_counter() - t0))
         return out if size is None else plan.cut(out, live)
 
+    def warm_up(self) -> None:
+        """Capture every bucket of every method now (with CUDA graphs; nothing to do without), on blank inputs,
+        so that no capture lands inside a timed or latency-sensitive step later."""
+        if not self._graphs:
+            return
+        for method, plan in self._plans.items():
+            for size in buckets(plan.limit):
+                self.call(method, self._blank(plan, size), [size, size])
+
     def captured(self, method: str) -> tuple[int, ...]:
         """Buckets of `method` that have a live CUDA graph now (empty without graphs)."""
         g = self._graphs.get(method)

@@ -17,6 +17,8 @@ from .sampling import SamplingParams
 from .scheduler import Request
 from .tokenizer import TextCodec
 
+EMPTY_PROMPT = ("the prompt is empty; give at least one character (to generate from BOS alone, give "
+                "'tokens': [BOS id])")
 OPTIONAL_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
 ALLOWED_KEYS = ("id", "prompt", "tokens") + OPTIONAL_KEYS
 
@@ -62,6 +64,8 @@ def parse_request(obj, where: str, defaults: Defaults, codec: Optional[TextCodec
         if codec is None:
             return BadRequest(rid, f"{where}: a text 'prompt' needs a tokenizer.json in the artifact; "
                                    f"give 'tokens' instead")
+        if not obj["prompt"]:
+            return BadRequest(rid, f"{where}: {EMPTY_PROMPT}")
         prompt = codec.encode(obj["prompt"])
     s = defaults.sampling
     max_new = obj.get("max_new_tokens", defaults.max_new_tokens)

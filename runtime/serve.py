@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from .artifact import ArtifactError, load_artifact
 from .config import ConfigError, RunConfig
 from .engine import Engine
-from .requests_io import BadRequest, Defaults, read_jsonl, result_record
+from .requests_io import EMPTY_PROMPT, BadRequest, Defaults, read_jsonl, result_record
 from .sampling import SamplingParams
 from .scheduler import Request
 from .speculative import DFlashError
@@ -95,6 +95,9 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
     if prompts and codec is None:
         raise ServeError(f"--prompt needs a tokenizer, and {artifact_dir} has no tokenizer.json; "
                          f"use --input FILE.jsonl with token ids")
+    empty = next((i for i, p in enumerate(prompts) if not p), None)
+    if empty is not None:
+        raise ServeError(f"--prompt {empty}: {EMPTY_PROMPT}")
     defaults = Defaults(max_new_tokens, params)
     items: list = [Request(f"prompt-{i}", tuple(codec.encode(p)), max_new_tokens, params)
                    for i, p in enumerate(prompts)]

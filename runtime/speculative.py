@@ -290,6 +290,7 @@ class Speculator:
         self._appended: dict[int, int] = {}  # slot -> positions in the draft cache
         self._prediction: Optional[tuple[int, int]] = None  # (sequences drafting, context rows to append)
         self._probing: set[int] = set()  # slots whose draft this round is a probe
+        self._flushed = 0  # context rows appended this step without a draft (a full call's worth waited)
         self._probe_cost: dict[int, tuple[float, float]] = {}  # slot -> (seconds on top of a plain step, tok/s)
         if self.adaptive:
             self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
@@ -387,18 +388,23 @@ class Speculator:
 
     def step_done(self, measured_s: float, rows: int) -> None:
         """The engine's wall time of the step just run and its forward's row count. Timed calls (CPU) refine
-        the tables; the rest of the difference from the prediction (host work) is the residual."""
-        log = self.runner.call_log
-        if self.costs is not None and log is not None:
-            for method, n, seconds in log:
-                self.costs.observe(_TABLE_OF[method], n, seconds)
-            log.clear()
-        if self._prediction is not None and self.costs is not None:
+        the tables, and the step's time outside them is its host work; without timed calls (CUDA) the host
+        work is what the tables do not predict."""
+        log, c = self.runner.call_log, self.costs
+        if c is not None and self._prediction is not None:
             drafting, waiting = self._prediction
-            c = self.costs
-            predicted = c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
+            if log is not None:
+                predicted = sum(seconds for _, _, seconds in log)
+            else:
+                predicted = (c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
+                             + c.append(self._flushed))
             c.record(drafting > 0, predicted, measured_s)
-        self._prediction = None
+        if c is not None and log is not None:
+            for method, n, seconds in log:
+                c.observe(_TABLE_OF[method], n, seconds)
+        if log is not None:
+            log.clear()
+        self._prediction, self._flushed = None, 0
 
     # ------------------------------------------------------------------ 2. propose
 
@@ -449,7 +455,7 @@ class Speculator:
         """After a step's commits: append the context of sequences with a full call's worth waiting."""
         full = [slot for slot, n in self._n_waiting.items() if n >= self._flush_rows]
         if full:
-            self._append_waiting(full)
+            self._flushed += self._append_waiting(full)
 
     def context_length(self, slot: int) -> int:
         """Committed positions of `slot` the drafter holds: in its cache or waiting to be appended."""
@@ -464,7 +470,8 @@ class Speculator:
         self.acceptance.reset(slot)
         self.probes.reset(slot)
 
-    def _append_waiting(self, slots: list[int]) -> None:
+    def _append_waiting(self, slots: list[int]) -> int:
+        """Append the waiting context rows of `slots`; returns how many."""
         rows, positions, seq_slots = [], [], []
         for slot in slots:
             parts = self._waiting.pop(slot, None)
@@ -477,8 +484,9 @@ class Speculator:
             seq_slots += [slot] * m
             self._appended[slot] = start + m
         if not rows:
-            return
+            return 0
         hidden = rows[0] if len(rows) == 1 else torch.cat(rows)
         self.runner.draft_append(hidden, torch.tensor(positions, dtype=torch.long),
                                  torch.tensor(seq_slots, dtype=torch.long))
         self.stats.context_rows += len(positions)
+        return len(positions)

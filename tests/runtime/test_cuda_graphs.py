@@ -150,6 +150,13 @@ def test_greedy_generation_with_graphs_equals_eager_and_cpu(which, request, tiny
         engine = _engine(art, "cuda", speculation=speculation)
         assert _tokens(engine, reqs) == eager == cpu
         assert engine.graph_counters.replays > 0
+        warm = _engine(art, "cuda", speculation=speculation)
+        warm.warm_up()
+        assert warm.runner.captured(C.METHOD_FORWARD) == buckets(warm.cache.max_write)
+        before = (warm.graph_counters.captures, warm.graph_counters.recaptures)
+        assert _tokens(warm, reqs) == cpu
+        # after a warm-up every capture is a recapture (cache growth), never a bucket's first
+        assert warm.graph_counters.captures - before[0] == warm.graph_counters.recaptures - before[1]
         if "dflash" in which:
             assert engine.runner.captured(C.METHOD_DRAFT_BLOCK) and engine.runner.captured(C.METHOD_DRAFT_APPEND)
             assert engine.spec_stats.rounds > 0 or speculation == "adaptive"

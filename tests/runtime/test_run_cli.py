@@ -152,3 +152,15 @@ def test_engine_refuses_duplicate_ids(tiny_seq_artifact):
     with pytest.raises(ValueError, match="'x' appears more than once"):
         engine.run([Request("x", (1, 5), 2), Request("x", (1, 6), 2)])
     assert engine.scheduler.idle and engine.stats.steps == 0
+
+
+def test_empty_prompts_are_refused_as_text_and_as_tokens(tmp_path, tiny_seq_artifact):
+    reqs = _write_jsonl(tmp_path / "in.jsonl", [{"id": "text", "prompt": ""}, {"id": "ids", "tokens": []},
+                                                {"id": "bos", "tokens": [1]}])
+    code, stdout, stderr = _run([tiny_seq_artifact, "--input", reqs, "--max-new-tokens", "2"])
+    records = {r["id"]: r for r in map(json.loads, stdout.splitlines())}
+    assert code == 1
+    assert "the prompt is empty" in records["text"]["error"] and "the prompt is empty" in records["ids"]["error"]
+    assert records["bos"]["finish_reason"]  # generating from BOS alone is asked for explicitly
+    code, _, stderr = _run([tiny_seq_artifact, "--prompt", "ok", "--prompt", ""])
+    assert code == 2 and "--prompt 1: the prompt is empty" in _error_line(stderr)
