@@ -7,6 +7,7 @@ methods, so the two cannot drift. Knows nothing about the runtime.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import shutil
 import tempfile
 import time
@@ -106,10 +107,18 @@ def check_options(opts: ExportOptions) -> None:
     if opts.dtype not in (None, *C.DTYPES):
         raise ExportError(f"--dtype is {opts.dtype!r}; allowed: {' | '.join(C.DTYPES)}")
     out = Path(opts.output_dir)
+    here = Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        raise ExportError(f"--output-dir {out} is the current directory or one above it; give a new directory "
+                          f"or an existing artifact directory")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--output-dir {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not opts.force:
-        raise ExportError(f"--output-dir {out} exists and is not empty; pass --force to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not opts.force:
+            raise ExportError(f"--output-dir {out} exists and is not empty; pass --force to replace it")
+        if not (out / C.MANIFEST_FILE).is_file():
+            raise ExportError(f"--output-dir {out} is not empty and holds no {C.MANIFEST_FILE}: --force replaces "
+                              f"only an artifact directory (or an empty one); choose another directory")
 
 
 def target_kv(cfg: MuseGlimmerConfig, opts: ExportOptions, dtype: str) -> KVSpec:
@@ -184,6 +193,9 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
     out = Path(opts.output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the artifact gets the user's usual permissions
     try:
         (tmp / C.PROGRAM_FILE).write_bytes(program)
         files = [C.PROGRAM_FILE]

@@ -44,7 +44,7 @@ def _progress():
               help="Tokens written per step, all sequences together.")
 @click.option("--dtype", type=str, default=None, help="float32 | bfloat16 [default: the checkpoint's].")
 @click.option("-o", "--output-dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
-@click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
+@click.option("--force", is_flag=True, help="Replace an existing artifact directory (one holding manifest.json).")
 def main(checkpoint, preset, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write, dtype, output_dir, force):
     """Export an MG model to an ExecuTorch program (model.pte) with manifest.json."""
     from .artifact import (PRESET_SEED, ExportError, ExportOptions, check_options, default_checkpoints,
@@ -60,6 +60,10 @@ def main(checkpoint, preset, draft_checkpoint, draft_preset, layout, max_seqs, m
         _die(f"--draft-preset is {draft_preset!r}; allowed: {' | '.join(DRAFT_PRESETS)}")
     if preset is not None and preset not in PRESETS:
         _die(f"--preset is {preset!r}; allowed: {' | '.join(PRESETS)}")
+    if embedded and draft_preset is not None:
+        _die(f"--draft-preset {draft_preset} without --checkpoint or --preset would pair the trained embedded "
+             f"target with a random-weight drafter; give --preset NAME (random target too) or --draft-checkpoint "
+             f"DIR")
     if layout == C.LAYOUT_SEQUENCE and max_seqs is None and max_cells is None:
         max_seqs = 8
     if layout == C.LAYOUT_CELL and max_cells is None and max_seqs is None:

@@ -159,6 +159,35 @@ def test_non_empty_output_dir_is_refused_without_force(tmp_path):
     assert (out / "keep.txt").read_text() == "precious"
 
 
+@pytest.mark.parametrize("target", ["other", ".", ".."])
+def test_force_replaces_only_artifact_directories(tmp_path, monkeypatch, target):
+    """--force on a folder that is not an artifact (or on the working directory or a parent) is refused
+    before any work, and nothing in it is touched."""
+    work = tmp_path / "work"
+    (work / "other").mkdir(parents=True)
+    (work / "other" / "keep.txt").write_text("precious")
+    monkeypatch.chdir(work)
+    code, output = _run(["-o", target, "--force", "--max-context", "64", "--max-write", "8"])
+    assert code == 2 and "Traceback" not in output
+    assert ("holds no manifest.json" if target == "other" else "current directory or one above") in output
+    assert (work / "other" / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in work.iterdir()) == ["other"]
+
+
+def test_artifact_directory_follows_the_umask(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        code, output = _run(["--preset", "tiny", "-o", str(tmp_path / "art"), "--max-context", "64", "--max-write", "8"])
+    finally:
+        os.umask(old)
+    assert code == 0, output
+    assert stat.S_IMODE((tmp_path / "art").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "art" / C.MANIFEST_FILE).stat().st_mode) == 0o644
+
+
 def test_failed_export_leaves_no_partial_artifact(tmp_path, monkeypatch):
     import mg.export.artifact as artifact
 
@@ -182,3 +211,9 @@ def test_checkpoint_export_copies_tokenizer_and_keeps_weights(tmp_path, tiny_che
     assert {f.name for f in m.files} == {C.PROGRAM_FILE, C.TOKENIZER_FILE}
     assert (out / C.TOKENIZER_FILE).read_text() == '{"version": "1.0"}'
     assert m.model.name == "ckpt" and m.kv.max_seqs == 2
+
+
+def test_random_drafter_with_the_trained_default_target_is_refused(tmp_path):
+    code, output = _run(["--draft-preset", "tiny", "-o", str(tmp_path / "out")])
+    assert code == 2 and "would pair the trained embedded target with a random-weight drafter" in output
+    assert not (tmp_path / "out").exists()
