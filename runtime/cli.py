@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+from typing import Optional
 
 import click
+
+from mg.manifests import constants as C
 
 from .config import SPECULATION_ADAPTIVE, SPECULATION_POLICIES, RunConfig
 from .sampling import SamplingParams
@@ -19,25 +20,45 @@ def _die(msg: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def _write_output(records: list[dict], output: Path | None) -> None:
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    if output is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+class _Output:
+    """Result lines, one per request as it finishes, flushed: to stdout, or to a file opened at the first
+    line (a run that cannot start leaves an existing file as it was)."""
+
+    def __init__(self, path: Optional[Path]):
+        self.path, self._file = path, None
+
+    def __call__(self, record: dict) -> None:
+        if self._file is None:
+            self._file = sys.stdout if self.path is None else open(self.path, "w", encoding="utf-8")
+        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    def close(self, finished: bool) -> None:
+        if finished and self._file is None and self.path is not None:
+            self._file = open(self.path, "w", encoding="utf-8")  # a run with no result lines: an empty file
+        if self._file is not None and self._file is not sys.stdout:
+            self._file.close()
+
+
+def _check_output_path(flag: str, path: Optional[Path]) -> None:
+    """Refuse a path mg-run must not write: a folder, a missing folder, or a file inside an artifact."""
+    if path is None:
         return
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, output)
+    parent = path.parent
+    if path.is_dir():
+        _die(f"{flag} {path} is a directory; give a file path")
+    if not parent.is_dir():
+        _die(f"{flag} {path}: the folder {parent} does not exist; create it first")
+    if (parent / C.MANIFEST_FILE).is_file():
+        _die(f"{flag} {path} is inside the artifact directory {parent}; write results elsewhere")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompt", "prompts", multiple=True, help="Text prompt (repeatable; needs tokenizer.json).")
 @click.option("--input", "input_path", type=click.Path(path_type=Path), default=None,
-              help='JSONL requests: {"id", "prompt"|"tokens", optional max_new_tokens, temperature, top_k, top_p, '
-                   'seed}.')
+              help='JSONL requests ("-" = stdin): {"id", "prompt"|"tokens", optional max_new_tokens, temperature, top_k, '
+                   'top_p, seed, ignore_eos}.')
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
@@ -56,7 +77,8 @@ def _write_output(records: list[dict], output: Path | None) -> None:
                    "draft-block - 1 drafts.")
 @click.option("--no-cuda-graphs", is_flag=True,
               help="With --device cuda: run every step eagerly instead of replaying CUDA graphs (for comparison).")
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Output JSONL [default: stdout].")
+@click.option("--output", type=click.Path(path_type=Path), default=None,
+              help="Output JSONL, one line per request as it finishes ('-' = stdout) [default: stdout].")
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
 def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, kv_layout,
          no_dflash, draft_block, speculation, no_cuda_graphs, output, stats_json):
@@ -78,19 +100,25 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
 
         if not torch.cuda.is_available():
             _die("--device cuda was asked for, but torch sees no CUDA device")
+    if output is not None and str(output) == "-":
+        output = None
+    _check_output_path("--output", output)
+    _check_output_path("--stats-json", stats_json)
     from .serve import ServeError, serve
 
+    sink = _Output(output)
     try:
         config = RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, dflash=not no_dflash,
                            draft_block=draft_block, speculation=speculation)
-        records, summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, kv_layout)
+        summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, sink, kv_layout)
     except ServeError as e:
+        sink.close(finished=False)
         _die(str(e))
-    _write_output(records, output)
+    sink.close(finished=True)
     click.echo(summary.line(), err=True)
     if stats_json is not None:
         stats_json.write_text(json.dumps(summary.as_dict(), indent=2) + "\n", encoding="utf-8")
-    if any("error" in r for r in records):
+    if summary.failed:
         sys.exit(1)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -104,26 +104,33 @@ class Engine:
         return done
 
     def run(self, requests: Iterable[Request]) -> list[Result]:
-        """Serve `requests` to the end; ids must be unique (ValueError before any work otherwise)."""
+        """Serve `requests` to the end and return one Result per request, in order (ids must be unique)."""
+        requests = list(requests)
+        done: dict[str, Result] = {}
+        self.serve(requests, lambda r: done.__setitem__(r.id, r))
+        return [done[r.id] for r in requests]
+
+    def serve(self, requests: Iterable[Request], on_result: Callable[[Result], None]) -> None:
+        """Serve `requests` to the end, handing each Result to `on_result` as soon as it is known: refused
+        requests first, then the others as they finish. Ids must be unique (ValueError before any work)."""
         requests = list(requests)
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"request id {dup!r} appears more than once; ids must be unique")
-        order, refused = [], {}
         for req in requests:
-            order.append(req.id)
             try:
                 self.submit(req)
             except RequestError as e:
-                refused[req.id] = Result(req.id, (), None, str(e))
+                on_result(Result(req.id, (), None, str(e)))
         t0 = time.perf_counter()
-        while not self.scheduler.idle:
-            self.step()
-        self.stats.wall_s += time.perf_counter() - t0
-        done = {r.id: r for r in self.take_finished()}
-        done.update(refused)
-        return [done[rid] for rid in order]
+        try:
+            while not self.scheduler.idle:
+                self.step()
+                for result in self.take_finished():
+                    on_result(result)
+        finally:
+            self.stats.wall_s += time.perf_counter() - t0
 
     def step(self) -> None:
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 from .sampling import SamplingParams
 from .scheduler import Request
@@ -91,22 +91,28 @@ def parse_request(obj, where: str, defaults: Defaults, codec: Optional[TextCodec
 
 
 def read_jsonl(path: Path, defaults: Defaults, codec: Optional[TextCodec]) -> list[Union[Request, BadRequest]]:
-    out: list[Union[Request, BadRequest]] = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                out.append(BadRequest(f"line {lineno}", f"{where}: not valid JSON ({e.msg})"))
-                continue
-            out.append(parse_request(obj, where, defaults, codec))
+        return read_lines(f, str(path), defaults, codec)
+
+
+def read_lines(lines: Iterable[str], source: str, defaults: Defaults,
+               codec: Optional[TextCodec]) -> list[Union[Request, BadRequest]]:
+    """Parse JSONL request lines; a bad line becomes a BadRequest of its own, named '<source>:<line>'."""
+    out: list[Union[Request, BadRequest]] = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            out.append(BadRequest(where, f"{where}: not valid JSON ({e.msg})"))
+            continue
+        out.append(parse_request(obj, where, defaults, codec))
     ids = [r.id for r in out]
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup is not None:
-        raise ValueError(f"{path}: request id {dup!r} appears more than once; ids must be unique")
+        raise ValueError(f"{source}: request id {dup!r} appears more than once; ids must be unique")
     return out
 
 

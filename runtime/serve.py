@@ -5,14 +5,15 @@ Never imports mg.export: the artifact is the only source of model facts.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .artifact import ArtifactError, load_artifact
 from .config import ConfigError, RunConfig
 from .engine import Engine
-from .requests_io import EMPTY_PROMPT, BadRequest, Defaults, read_jsonl, result_record
+from .requests_io import EMPTY_PROMPT, BadRequest, Defaults, read_jsonl, read_lines, result_record
 from .sampling import SamplingParams
 from .scheduler import Request
 from .speculative import DFlashError
@@ -79,8 +80,11 @@ def _summary(layout: str, n: int, failed: int, engine: Engine) -> Summary:
 
 
 def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path], max_new_tokens: int,
-          params: SamplingParams, config: RunConfig, layout: Optional[str] = None):
-    """Load, serve every request, and return (result records in input order, Summary)."""
+          params: SamplingParams, config: RunConfig, sink: Callable[[dict], None],
+          layout: Optional[str] = None) -> Summary:
+    """Load, check every request, then serve them, handing each result record to `sink` as soon as it is
+    known (bad lines first, then requests as they finish); returns the Summary. `input_path` "-" reads
+    standard input. Nothing reaches `sink` when the run cannot start (ServeError)."""
     try:
         artifact = load_artifact(artifact_dir, device=config.device, layout=layout)
     except ArtifactError as e:
@@ -103,7 +107,8 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
                    for i, p in enumerate(prompts)]
     if input_path is not None:
         try:
-            items += read_jsonl(input_path, defaults, codec)
+            items += read_jsonl(input_path, defaults, codec) if str(input_path) != "-" else \
+                read_lines(sys.stdin, "<stdin>", defaults, codec)
         except OSError as e:
             raise ServeError(f"{input_path}: cannot read ({e.strerror})") from None
         except ValueError as e:
@@ -119,13 +124,16 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
         engine = Engine(artifact, config)
     except (DFlashError, ConfigError) as e:
         raise ServeError(str(e)) from None
-    results = {r.id: r for r in engine.run([i for i in items if isinstance(i, Request)])}
-    records = []
+    counts = {"records": 0, "failed": 0}
+
+    def emit(rid: str, tokens, finish_reason, error) -> None:
+        counts["records"] += 1
+        counts["failed"] += error is not None
+        sink(result_record(rid, tokens, finish_reason, error, codec))
+
     for item in items:
         if isinstance(item, BadRequest):
-            records.append(result_record(item.id, (), None, item.error, codec))
-        else:
-            r = results[item.id]
-            records.append(result_record(r.id, r.tokens, r.finish_reason, r.error, codec))
-    failed = sum("error" in r for r in records)
-    return records, _summary(artifact.layout, len(records), failed, engine)
+            emit(item.id, (), None, item.error)
+    engine.serve([i for i in items if isinstance(i, Request)],
+                 lambda r: emit(r.id, r.tokens, r.finish_reason, r.error))
+    return _summary(artifact.layout, counts["records"], counts["failed"], engine)

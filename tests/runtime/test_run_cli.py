@@ -44,9 +44,9 @@ def test_prompts_and_jsonl_are_served_with_a_summary(tmp_path, tiny_seq_artifact
                                  "--output", out, "--stats-json", tmp_path / "stats.json"])
     assert code == 0, stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["prompt-0", "t", "p"]
+    assert sorted(r["id"] for r in records) == ["p", "prompt-0", "t"]
     assert all(r["finish_reason"] in ("length", "eos") and "text" in r for r in records)
-    assert len(records[2]["tokens"]) <= 3
+    assert len({r["id"]: r for r in records}["p"]["tokens"]) <= 3
     assert "kBatchedSequence" in stderr and "tokens/s" in stderr
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["requests"] == 3 and stats["layout"] == "sequence"
@@ -126,7 +126,7 @@ def test_bad_requests_fail_alone_while_others_complete(tmp_path, tiny_seq_artifa
     records = {r["id"]: r for r in map(json.loads, stdout.splitlines())}
     assert code == 1 and "Traceback" not in stderr
     assert records["good"]["finish_reason"] and records["good2"]["finish_reason"]
-    assert "not valid JSON" in records["line 2"]["error"]
+    assert "not valid JSON" in records[f"{reqs}:2"]["error"]  # a line without an id is named like its errors
     assert "outside the vocabulary" in records["vocab"]["error"]
     assert "exceeds the artifact's context capacity" in records["long"]["error"]
     assert "temperature" in records["temp"]["error"]
@@ -164,3 +164,41 @@ def test_empty_prompts_are_refused_as_text_and_as_tokens(tmp_path, tiny_seq_arti
     assert records["bos"]["finish_reason"]  # generating from BOS alone is asked for explicitly
     code, _, stderr = _run([tiny_seq_artifact, "--prompt", "ok", "--prompt", ""])
     assert code == 2 and "--prompt 1: the prompt is empty" in _error_line(stderr)
+
+
+def test_results_stream_as_requests_finish(tmp_path, tiny_seq_artifact):
+    reqs = _write_jsonl(tmp_path / "in.jsonl", [{"id": "long", "tokens": [1, 5, 6], "max_new_tokens": 30,
+                                                 "ignore_eos": True},
+                                                {"id": "short", "tokens": [1, 7], "max_new_tokens": 1},
+                                                "{bad"])
+    out = tmp_path / "out.jsonl"
+    code, _, stderr = _run([tiny_seq_artifact, "--input", reqs, "--output", out])
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert code == 1 and ids == [f"{reqs}:3", "short", "long"]  # the bad line at once, then finishing order
+
+
+def test_dash_means_stdin_and_stdout(tiny_seq_artifact):
+    result = CliRunner().invoke(main, [str(tiny_seq_artifact), "--input", "-", "--output", "-",
+                                       "--max-new-tokens", "2"], input='{"id": "a", "tokens": [1, 5]}\n')
+    assert result.exit_code == 0, result.stderr
+    assert [json.loads(line)["id"] for line in result.stdout.splitlines()] == ["a"]
+
+
+@pytest.mark.parametrize("flag", ["--output", "--stats-json"])
+def test_outputs_inside_an_artifact_or_a_missing_folder_are_refused(tmp_path, artifact_copy, flag):
+    before = {p.name: p.read_bytes() for p in artifact_copy.iterdir()}
+    for path, needle in ((artifact_copy / C.MANIFEST_FILE, "is inside the artifact directory"),
+                         (artifact_copy / "results.jsonl", "is inside the artifact directory"),
+                         (tmp_path / "missing" / "out.jsonl", "does not exist; create it first"),
+                         (tmp_path, "is a directory")):
+        code, _, stderr = _run([artifact_copy, "--prompt", "x", flag, path])
+        assert code == 2 and needle in _error_line(stderr)
+    assert {p.name: p.read_bytes() for p in artifact_copy.iterdir()} == before
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_run_that_cannot_start_leaves_the_output_file_alone(tmp_path, tiny_seq_artifact):
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier results\n")
+    code, _, stderr = _run([tmp_path / "no-such-artifact", "--prompt", "x", "--output", out])
+    assert code == 2 and out.read_text() == "earlier results\n"
