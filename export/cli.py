@@ -25,6 +25,7 @@ def _progress():
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mg-toolchain", prog_name="mg-export")
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
               help="Native checkpoint directory (config.json + model.safetensors) "
                    "[default: the embedded mg-tiny-code model and its drafter].")
@@ -34,7 +35,7 @@ def _progress():
               help="DFlash drafter checkpoint directory (config.json + model.safetensors).")
 @click.option("--draft-preset", type=str, default=None,
               help=f"Random-weight drafter instead of a checkpoint: {' | '.join(DRAFT_PRESETS)}.")
-@click.option("--kv-layout", "layout", type=str, default=C.LAYOUT_SEQUENCE, show_default=True,
+@click.option("--kv-layout", "layout", type=str, default=C.LAYOUT_SEQUENCE, show_default=True, metavar="sequence|cell",
               help="KV cache layout, fixed at export: sequence (kBatchedSequence) | cell (kBatchedCell).")
 @click.option("--max-kv-seqs", "max_seqs", type=int, default=None,
               help="Sequence layout: sequences served at once [default: 8].")
@@ -42,11 +43,14 @@ def _progress():
 @click.option("--max-context", type=int, default=2048, show_default=True, help="Context length per sequence.")
 @click.option("--max-write", type=int, default=64, show_default=True,
               help="Tokens written per step, all sequences together.")
-@click.option("--dtype", type=str, default=None, help="float32 | bfloat16 [default: the checkpoint's].")
+@click.option("--dtype", type=str, default=None, metavar="float32|bfloat16", help="[default: the checkpoint's]")
 @click.option("-o", "--output-dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory (one holding manifest.json).")
 def main(checkpoint, preset, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write, dtype, output_dir, force):
     """Export an MG model to an ExecuTorch program (model.pte) with manifest.json."""
+    from mg.kernels.quiet import quiet_dependencies
+
+    quiet_dependencies()
     from .artifact import (PRESET_SEED, ExportError, ExportOptions, check_options, default_checkpoints,
                            export_artifact, load_target)
     from .draft_lower import load_draft

@@ -54,18 +54,26 @@ def _check_output_path(flag: str, path: Optional[Path]) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mg-toolchain", prog_name="mg-run")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompt", "prompts", multiple=True, help="Text prompt (repeatable; needs tokenizer.json).")
 @click.option("--input", "input_path", type=click.Path(path_type=Path), default=None,
               help='JSONL requests ("-" = stdin): {"id", "prompt"|"tokens", optional max_new_tokens, temperature, top_k, '
                    'top_p, seed, ignore_eos}.')
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Per-request seed unless a request sets one.")
-@click.option("--device", type=str, default="cpu", show_default=True, help="cpu | cuda")
-@click.option("--kv-layout", type=str, default=None, help="Must match the artifact (fixed at export).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0 = greedy (then --top-k, --top-p and --seed do not matter).")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off; applies when sampling.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off; applies when sampling.")
+@click.option("--seed", type=int, default=None,
+              help="Seed of every sampled request that sets none [default: a fresh one per request, reported in "
+                   "its output line].")
+@click.option("--device", type=str, default="cpu", show_default=True, metavar="cpu|cuda")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads for torch [default: torch's, one per core]. When other busy processes share the "
+                   "CPU, fewer threads (even 1) avoid a large slowdown.")
+@click.option("--kv-layout", type=str, default=None, metavar="sequence|cell",
+              help="Must match the artifact (fixed at export).")
 @click.option("--no-dflash", is_flag=True, help="Target-only decoding even when the artifact has a drafter.")
 @click.option("--draft-block", type=int, default=None,
               help="The most rows verified per DFlash round: the pending token + drafts (2 .. the exported block "
@@ -80,7 +88,7 @@ def _check_output_path(flag: str, path: Optional[Path]) -> None:
 @click.option("--output", type=click.Path(path_type=Path), default=None,
               help="Output JSONL, one line per request as it finishes ('-' = stdout) [default: stdout].")
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
-def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, kv_layout,
+def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, threads, kv_layout,
          no_dflash, draft_block, speculation, no_cuda_graphs, output, stats_json):
     """Serve the prompts of ARTIFACT (an mg-export directory) and write one JSON line per request."""
     if not prompts and input_path is None:
@@ -95,6 +103,15 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
         _die(_flag_message(str(e)))
     if max_new_tokens < 1:
         _die(f"--max-new-tokens is {max_new_tokens}; allowed: an integer >= 1")
+    if threads is not None and threads < 1:
+        _die(f"--threads is {threads}; allowed: an integer >= 1")
+    from mg.kernels.quiet import quiet_dependencies
+
+    quiet_dependencies()
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     if device == "cuda":
         import torch
 

@@ -116,11 +116,15 @@ def read_lines(lines: Iterable[str], source: str, defaults: Defaults,
     return out
 
 
-def result_record(rid: str, tokens, finish_reason, error, codec: Optional[TextCodec]) -> dict:
+def result_record(rid: str, tokens, finish_reason, error, codec: Optional[TextCodec],
+                  seed: Optional[int] = None) -> dict:
+    """One output line; `seed` (sampled requests) is reported so that the line can be reproduced."""
     if error is not None:
         return {"id": rid, "error": error}
     rec = {"id": rid, "tokens": list(tokens)}
     if codec is not None:
         rec["text"] = codec.decode(list(tokens))
     rec["finish_reason"] = finish_reason
+    if seed is not None:
+        rec["seed"] = seed
     return rec

@@ -5,6 +5,8 @@ Never imports mg.export: the artifact is the only source of model facts.
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -79,6 +81,14 @@ def _summary(layout: str, n: int, failed: int, engine: Engine) -> Summary:
                    recaptures=graphs.recaptures)
 
 
+def _seeded(item):
+    """A sampled request without a seed gets a fresh one (reported in its output line), so that identical
+    prompts sample independently from run to run."""
+    if not isinstance(item, Request) or item.sampling.greedy or item.sampling.seed is not None:
+        return item
+    return dataclasses.replace(item, sampling=dataclasses.replace(item.sampling, seed=secrets.randbits(63)))
+
+
 def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path], max_new_tokens: int,
           params: SamplingParams, config: RunConfig, sink: Callable[[dict], None],
           layout: Optional[str] = None) -> Summary:
@@ -118,6 +128,8 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
         if clash is not None:
             raise ServeError(f"{input_path}: request id {clash!r} is also the id of --prompt {clash.split('-')[1]} "
                              f"(--prompt requests are named prompt-0, prompt-1, ...); ids must be unique")
+    items = [_seeded(item) for item in items]
+    seeds = {item.id: item.sampling.seed for item in items if isinstance(item, Request) and not item.sampling.greedy}
     if config.draft_block is not None and not artifact.has_draft:
         raise ServeError(f"--draft-block was given, but {artifact_dir} has no drafter")
     try:
@@ -129,7 +141,7 @@ def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path]
     def emit(rid: str, tokens, finish_reason, error) -> None:
         counts["records"] += 1
         counts["failed"] += error is not None
-        sink(result_record(rid, tokens, finish_reason, error, codec))
+        sink(result_record(rid, tokens, finish_reason, error, codec, seeds.get(rid)))
 
     for item in items:
         if isinstance(item, BadRequest):

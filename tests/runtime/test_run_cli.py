@@ -202,3 +202,32 @@ def test_a_run_that_cannot_start_leaves_the_output_file_alone(tmp_path, tiny_seq
     out.write_text("earlier results\n")
     code, _, stderr = _run([tmp_path / "no-such-artifact", "--prompt", "x", "--output", out])
     assert code == 2 and out.read_text() == "earlier results\n"
+
+
+def test_sampled_requests_get_a_fresh_reported_seed_that_reproduces_them(tiny_seq_artifact):
+    args = [tiny_seq_artifact, "--prompt", "def f(x):", "--temperature", "1.0", "--max-new-tokens", "12"]
+    lines = [json.loads(_run(args)[1]) for _ in range(2)]
+    assert all(isinstance(r["seed"], int) for r in lines) and lines[0]["seed"] != lines[1]["seed"]
+    again = json.loads(_run(args + ["--seed", str(lines[0]["seed"])])[1])
+    assert again["tokens"] == lines[0]["tokens"] and again["seed"] == lines[0]["seed"]
+    greedy = json.loads(_run([tiny_seq_artifact, "--prompt", "def f(x):", "--max-new-tokens", "2"])[1])
+    assert "seed" not in greedy
+
+
+def test_version_and_threads(tiny_seq_artifact):
+    from mg.export.cli import main as export_main
+
+    for cli, name in ((main, "mg-run"), (export_main, "mg-export")):
+        result = CliRunner().invoke(cli, ["--version"])
+        assert result.exit_code == 0 and result.output.startswith(f"{name}, version ")
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        code, stdout, stderr = _run([tiny_seq_artifact, "--prompt", "x", "--max-new-tokens", "2", "--threads", "1"])
+        assert code == 0, stderr
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)  # the CLI ran in this process
+    code, _, stderr = _run([tiny_seq_artifact, "--prompt", "x", "--threads", "0"])
+    assert code == 2 and "--threads is 0" in _error_line(stderr)
