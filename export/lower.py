@@ -61,7 +61,7 @@ def export_target(model: MuseGlimmer, max_write: int, taps: tuple[int, ...] = ()
 
 def target_constants(cfg: MuseGlimmerConfig, kv: KVSpec) -> dict:
     """The target's constant methods (the values the runtime will expect from the manifest)."""
-    return target_constant_values(cfg.vocab_size, cfg.n_layers, kv)
+    return target_constant_values(cfg.vocab_size, cfg.n_layers, kv, cfg.bos_id, tuple(cfg.eos_ids))
 
 
 def to_program(parts: ProgramParts, progress: Optional[Progress] = None) -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from . import constants as C
 from .schema import DraftFacts, FileEntry, KVSpec
@@ -17,9 +17,11 @@ from .schema import DraftFacts, FileEntry, KVSpec
 Value = Union[int, list]
 
 
-def target_constant_values(vocab_size: int, n_layers: int, kv: KVSpec) -> dict[str, Value]:
+def target_constant_values(vocab_size: int, n_layers: int, kv: KVSpec, bos_id: Optional[int],
+                           eos_ids: tuple[int, ...]) -> dict[str, Value]:
     values: dict[str, Value] = {
         C.GET_MAX_CONTEXT_LEN: kv.capacity,
+        C.GET_MAX_SEQ_LEN: kv.capacity,
         C.GET_MAX_WRITE: kv.max_write,
         C.GET_VOCAB_SIZE: vocab_size,
         C.GET_N_LAYERS: n_layers,
@@ -27,6 +29,10 @@ def target_constant_values(vocab_size: int, n_layers: int, kv: KVSpec) -> dict[s
         C.GET_HEAD_DIMS: [layer.head_dim for layer in kv.layers],
         C.GET_WINDOWS: [layer.window for layer in kv.layers],
     }
+    if bos_id is not None:
+        values[C.GET_BOS_ID] = bos_id
+    if eos_ids:
+        values[C.GET_EOS_IDS] = list(eos_ids)
     if kv.layout == C.LAYOUT_SEQUENCE:
         values[C.GET_OFFGRAPH_KV_MAX_SEQS] = kv.max_seqs
     else:

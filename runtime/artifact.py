@@ -57,7 +57,8 @@ def _check_files(directory: Path, manifest: Manifest) -> None:
 
 def expected_constants(manifest: Manifest) -> dict[str, object]:
     """What each constant method must return, from the manifest."""
-    expect = target_constant_values(manifest.model.vocab_size, manifest.model.n_layers, manifest.kv)
+    model = manifest.model
+    expect = target_constant_values(model.vocab_size, model.n_layers, manifest.kv, model.bos_id, model.eos_ids)
     if manifest.draft is not None:
         expect.update(draft_constant_values(manifest.draft))
     return expect
@@ -80,7 +81,8 @@ def _cross_check(program: Program, manifest: Manifest, source: str) -> str:
     for name, expected in expected_constants(manifest).items():
         if name not in names:
             raise ArtifactError(f"{source}: constant method '{name}' is missing from the program; "
-                                f"{C.MANIFEST_FILE} says {expected}")
+                                f"{C.MANIFEST_FILE} says {expected} (an artifact from an older mg-export: "
+                                f"export it again)")
         found = _as_value(program.constant(name), expected)
         if found != expected:
             raise ArtifactError(f"{source}: constant method '{name}' returns {found}; {C.MANIFEST_FILE} says "

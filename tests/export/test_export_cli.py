@@ -23,7 +23,7 @@ def _constant_methods(artifact) -> dict:
         if name.startswith("get_"):
             value = program.load_method(name).execute([])
             out[name] = value[0] if len(value) == 1 and name not in (C.GET_KV_HEADS, C.GET_HEAD_DIMS,
-                                                                      C.GET_WINDOWS) else list(value)
+                                                                      C.GET_WINDOWS, C.GET_EOS_IDS) else list(value)
     return out
 
 
@@ -49,6 +49,8 @@ def test_manifest_and_constant_methods_agree(which, request):
     assert consts[C.GET_MAX_CONTEXT_LEN] == m.kv.capacity == 96
     assert consts[C.GET_MAX_WRITE] == m.kv.max_write == 24
     assert consts[C.GET_VOCAB_SIZE] == m.model.vocab_size
+    assert consts[C.GET_MAX_SEQ_LEN] == m.kv.capacity
+    assert consts[C.GET_BOS_ID] == m.model.bos_id and consts[C.GET_EOS_IDS] == list(m.model.eos_ids)
     assert consts[C.GET_N_LAYERS] == m.model.n_layers == len(m.kv.layers)
     assert consts[C.GET_WINDOWS] == [layer.window for layer in m.kv.layers]
     assert consts[C.GET_KV_HEADS] == [layer.n_kv_heads for layer in m.kv.layers]

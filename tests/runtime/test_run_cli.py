@@ -231,3 +231,14 @@ def test_version_and_threads(tiny_seq_artifact):
         torch.set_num_threads(threads)  # the CLI ran in this process
     code, _, stderr = _run([tiny_seq_artifact, "--prompt", "x", "--threads", "0"])
     assert code == 2 and "--threads is 0" in _error_line(stderr)
+
+
+@pytest.mark.parametrize("key,value,method", [("bos_id", 3, "get_bos_id"), ("eos_ids", [3], "get_eos_ids")])
+def test_edited_bos_or_eos_in_the_manifest_is_refused(artifact_copy, key, value, method):
+    m = json.loads((artifact_copy / C.MANIFEST_FILE).read_text())
+    original = m["model"][key]
+    m["model"][key] = value
+    (artifact_copy / C.MANIFEST_FILE).write_text(json.dumps(m))
+    code, _, stderr = _run([artifact_copy, "--prompt", "x"])
+    line = _error_line(stderr)
+    assert code == 2 and f"'{method}' returns {original}" in line and f"says {value}" in line
