@@ -74,6 +74,7 @@ def default_checkpoints() -> tuple[Path, Path]:
 def load_target(checkpoint: Optional[Path], preset: Optional[str]) -> TargetSource:
     if checkpoint is not None:
         cfg = load_config(checkpoint, MuseGlimmerConfig)
+        check_memory(cfg, f"--checkpoint {checkpoint}")
         model = MuseGlimmer(cfg)
         load_state(checkpoint, model)
         tok = Path(checkpoint) / C.TOKENIZER_FILE
@@ -81,8 +82,39 @@ def load_target(checkpoint: Optional[Path], preset: Optional[str]) -> TargetSour
     if preset not in PRESETS:
         raise ExportError(f"--preset is {preset!r}; allowed: {' | '.join(PRESETS)}")
     cfg = PRESETS[preset]
+    check_memory(cfg, f"--preset {preset}")
     return TargetSource(f"preset-{preset}", cfg, init_random(MuseGlimmer(cfg), PRESET_SEED), None,
                         byte_tokenizer=cfg.vocab_size >= BYTE_TOKENIZER_IDS)
+
+
+EXPORT_COPIES = 3  # the model's weights, the lowered program's constants, the serialized .pte buffer
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of host memory available now (Linux MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(cfg: MuseGlimmerConfig, what: str, available: Optional[int] = None) -> None:
+    """Refuse up front an export whose weights, held EXPORT_COPIES times while lowering, exceed the host memory
+    available now (the export holds the whole model in memory)."""
+    available = available_memory() if available is None else available
+    if available is None:
+        return
+    weight_bytes = cfg.n_params() * torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    need = EXPORT_COPIES * weight_bytes
+    if need > available:
+        raise ExportError(f"{what}: {cfg.n_params() / 1e9:.2f}B parameters ({weight_bytes / 1e9:.1f} GB of "
+                          f"{cfg.dtype} weights) need about {need / 1e9:.1f} GB of host memory to export (the "
+                          f"weights are held {EXPORT_COPIES} times while lowering); {available / 1e9:.1f} GB is "
+                          f"available")
 
 
 def check_options(opts: ExportOptions) -> None:

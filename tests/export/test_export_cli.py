@@ -219,3 +219,19 @@ def test_random_drafter_with_the_trained_default_target_is_refused(tmp_path):
     code, output = _run(["--draft-preset", "tiny", "-o", str(tmp_path / "out")])
     assert code == 2 and "would pair the trained embedded target with a random-weight drafter" in output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_too_large_for_host_memory_is_refused_up_front(tmp_path):
+    code, output = _run(["--preset", "mg-30b", "-o", str(tmp_path / "out")])
+    assert code == 2 and "Traceback" not in output
+    assert "GB of host memory to export" in output and "GB is available" in output
+    assert "torch.export" not in output and not (tmp_path / "out").exists()  # refused before any lowering
+
+
+def test_memory_check_names_what_is_needed_and_available():
+    from mg.export.artifact import ExportError, check_memory
+    from mg.export.config import PRESETS
+
+    check_memory(PRESETS["tiny"], "--preset tiny", available=1 << 30)
+    with pytest.raises(ExportError, match=r"need about 0\.\d GB .* 0\.0 GB is available"):
+        check_memory(PRESETS["tiny"], "--preset tiny", available=1000)
