@@ -12,7 +12,6 @@ import click
 from mg.manifests import constants as C
 
 from .config import SPECULATION_ADAPTIVE, SPECULATION_POLICIES, RunConfig
-from .sampling import SamplingParams
 
 
 def _die(msg: str, code: int = 2) -> None:
@@ -96,6 +95,8 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
         _die("nothing to do: give --prompt TEXT or --input FILE.jsonl")
     if device not in ("cpu", "cuda"):
         _die(f"--device is {device!r}; allowed: cpu | cuda")
+    from .sampling import SamplingParams  # imports torch: not needed for --help or --version
+
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     try:
         params.validate()
