@@ -251,3 +251,33 @@ def test_corrupt_program_is_refused_with_one_line_naming_the_file(mg_pte, tmp_pa
     with pytest.raises(ProgramError) as err:
         Program.load(path, custom_ops={ATTEND: None})
     assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_program_loads_without_the_exporter_and_the_exporter_still_imports_after(tiny_seq_artifact):
+    """A fresh process reads the .pte without running executorch.exir's package init (the whole exporter);
+    the tokens are those of this process, which imported the exporter; importing the exporter afterwards
+    still works."""
+    import json
+    import subprocess
+    import sys
+
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.engine import Engine
+    from mg.runtime.scheduler import Request
+
+    script = f"""
+import json, sys
+from mg.runtime.artifact import load_artifact
+from mg.runtime.engine import Engine
+from mg.runtime.scheduler import Request
+art = load_artifact({str(tiny_seq_artifact)!r})
+tokens = Engine(art).run([Request("a", (1, 5, 6, 7), 6)])[0].tokens
+light = "executorch.exir.program" not in sys.modules
+from executorch.exir import to_edge  # the real package init runs now and reuses the reader's modules
+print(json.dumps({{"tokens": list(tokens), "light": light, "to_edge": callable(to_edge)}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    want = Engine(load_artifact(tiny_seq_artifact)).run([Request("a", (1, 5, 6, 7), 6)])[0].tokens
+    assert got == {"tokens": list(want), "light": True, "to_edge": True}
