@@ -80,16 +80,6 @@ def bucket_for(n: int, limit: int) -> Optional[int]:
     return min(b, limit)
 
 
-def pad_rows(t: torch.Tensor, size: int, fill) -> torch.Tensor:
-    """`t` [n, ...] extended to [size, ...] with `fill` rows (a scalar or a [...] tensor)."""
-    n = t.shape[0]
-    if n == size:
-        return t
-    extra = t.new_empty((size - n, *t.shape[1:]))
-    extra[...] = fill
-    return torch.cat([t, extra])
-
-
 # ------------------------------------------------------------------ graphs
 
 

@@ -25,6 +25,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from mg.manifests import constants as C
+
 from .artifact import Artifact
 from .config import RunConfig
 from .cuda_graphs import GraphCounters
@@ -69,7 +71,7 @@ class Engine:
         m, cache = artifact.manifest, self.runner.cache
         self.scheduler = Scheduler(max_write=m.kv.max_write, n_slots=cache.n_slots, capacity=m.kv.capacity,
                                    vocab_size=m.model.vocab_size, eos_ids=frozenset(m.model.eos_ids),
-                                   cell_budget=m.kv.max_cells if m.kv.layout == "cell" else None)
+                                   cell_budget=m.kv.max_cells if m.kv.layout == C.LAYOUT_CELL else None)
         self.stats = EngineStats()
         self._batches: dict[tuple, SamplingBatch] = {}
         self._results: dict[str, Result] = {}

@@ -188,13 +188,10 @@ class Program:
     def bind(self, op_name: str, fn: Optional[Callable]) -> None:
         """Serve custom op `op_name` (declared in `custom_ops`) with `fn` by default; None unbinds it.
         A caller that shares the program with others passes its own table to `run(..., ops=)` instead."""
-        self._check_declared(op_name)
-        self._bindings[op_name] = fn
-
-    def _check_declared(self, op_name: str) -> None:
         if op_name not in self._bindings:
             raise ProgramError(f"{self.source}: custom op {op_name!r} was not declared; declared: "
                                f"{', '.join(sorted(self._bindings)) or 'none'}")
+        self._bindings[op_name] = fn
 
     def constant(self, name: str) -> int | list[int]:
         """The value of a constant method (no inputs): an int, or a list of ints."""

@@ -71,8 +71,6 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_hist: list = field(default_factory=list)  # [a] = rounds that accepted a drafts
     chosen_k_hist: list = field(default_factory=list)  # [k] = decode sequence-steps that verified k drafts
-    draft_calls: int = 0  # draft_block calls
-    context_rows: int = 0  # rows appended to the draft context
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -422,7 +420,6 @@ class Speculator:
                 raise RuntimeError(f"draft context of slot {s.slot} holds {self._appended.get(s.slot, 0)} "
                                    f"positions; the sequence has {s.n_cached} committed")
         drafts = self.proposer.propose([s for s, _ in live], [k for _, k in live])
-        self.stats.draft_calls += 1
         it = iter(drafts)
         return [list(next(it)) if k > 0 else [] for k in ks]
 
@@ -488,5 +485,4 @@ class Speculator:
         hidden = rows[0] if len(rows) == 1 else torch.cat(rows)
         self.runner.draft_append(hidden, torch.tensor(positions, dtype=torch.long),
                                  torch.tensor(seq_slots, dtype=torch.long))
-        self.stats.context_rows += len(positions)
         return len(positions)
