@@ -106,6 +106,24 @@ def test_n_draft_is_respected():
                 assert result.tokens[b].tolist() == target[b, : n + 1].tolist() + [-1] * (4 - n)
 
 
+def test_accept_without_drafts_is_plain_sampling():
+    """The engine samples every row through `accept` (k = 0 for plain decode steps and prompt ends): it must
+    give exactly the tokens of `sample`, the plain sampler, with the same seeds and output positions."""
+    from mg.runtime.sampling import sample
+
+    gen = torch.Generator().manual_seed(12)
+    params = [P(), P(1.0, seed=5), P(0.7, top_k=4, seed=6), P(1.3, top_p=0.8, seed=7), P()] * 40
+    logits = torch.randn(len(params), 1, 37, generator=gen) * 3
+    counters = torch.randint(0, 1000, (len(params),), generator=gen)
+    batch = SamplingBatch.from_params(params)
+    empty = torch.zeros(len(params), 0, dtype=torch.int64)
+    result = accept(empty, None, logits, _zeros(len(params)), batch, counters)
+    want = sample(logits, batch, counters)[:, 0]
+    assert torch.equal(result.n_accepted, _zeros(len(params)))
+    assert torch.equal(result.tokens[:, 0], want)
+    assert len(set(want[1::5].tolist())) > 1  # sampled rows really vary: the comparison is not trivial
+
+
 def test_empty_draft_commits_one_target_token():
     logits = torch.randn(2, 1, 11, generator=torch.Generator().manual_seed(6))
     for batch in (SamplingBatch.from_params([P()] * 2), SamplingBatch.from_params([P(1.0, seed=1)] * 2)):
