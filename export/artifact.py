@@ -1,11 +1,14 @@
-"""Export driver: options -> model -> program -> manifest -> artifact directory, written atomically.
+"""Export driver: options -> program (traced on meta tensors) -> model.ptd (weights streamed from their source)
+-> manifest -> artifact directory, written atomically.
 
 The manifest is built from the same `KVSpec` that produced the constant
-methods, so the two cannot drift. Knows nothing about the runtime.
+methods, so the two cannot drift. Host memory stays bounded whatever the model
+size: no step holds more than one chunk of weights. Knows nothing about the runtime.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 import shutil
@@ -18,18 +21,21 @@ from typing import Callable, Optional
 import torch
 
 from mg.manifests import (
-    KVLayer, KVSpec, Manifest, MethodSpec, ModelFacts, Provenance, TensorSpec, constants as C,
+    FileEntry, KVLayer, KVSpec, Manifest, MethodSpec, ModelFacts, Provenance, TensorSpec, constants as C,
     write_manifest,
 )
 
-from mg.manifests.values import file_entry
+from mg.manifests.values import file_entry, write_stamp
 
-from .checkpoint import load_config, load_state
-from .config import PRESETS, MuseGlimmerConfig
+from .checkpoint import expected_shapes, load_config
+from .config import PRESETS, ConfigError, MuseGlimmerConfig
 from .draft_lower import DraftSource, draft_constants, draft_facts, draft_kv_spec, draft_methods, export_draft
-from .lower import ProgramParts, export_target, target_constants, to_program
-from .model import MuseGlimmer, init_random
+from .draft_model import DFlashDraft
+from .lower import ProgramParts, export_target, meta_parameters, target_constants, to_program
+from .model import MuseGlimmer
+from .ptd import PtdTensor, file_size, write_ptd
 from .tokenizer import N_IDS as BYTE_TOKENIZER_IDS, write_byte_tokenizer
+from .weights import RandomWeights, SafetensorsWeights, WeightSource, WeightsError
 
 Progress = Callable[[str], None]
 PRESET_SEED = 0
@@ -56,7 +62,7 @@ class ExportOptions:
 class TargetSource:
     name: str
     cfg: MuseGlimmerConfig
-    model: MuseGlimmer
+    weights: WeightSource  # by the target's parameter names
     tokenizer: Optional[Path]  # tokenizer.json to copy into the artifact
     byte_tokenizer: bool = False  # no tokenizer.json: write the byte-level one (presets)
 
@@ -71,50 +77,53 @@ def default_checkpoints() -> tuple[Path, Path]:
     return target, draft
 
 
-def load_target(checkpoint: Optional[Path], preset: Optional[str]) -> TargetSource:
+def meta_target(cfg: MuseGlimmerConfig) -> MuseGlimmer:
+    """The target with its parameters on the meta device: shapes and buffers, no weights."""
+    with meta_parameters():
+        return MuseGlimmer(cfg)
+
+
+def load_target(checkpoint: Optional[Path], preset: Optional[str], n_layers: Optional[int] = None) -> TargetSource:
+    """The target from a native checkpoint directory (weights read when the export writes them), or a
+    random-weight preset; `n_layers` keeps a preset's first layers (real width, fewer layers)."""
     if checkpoint is not None:
+        if n_layers is not None:
+            raise ExportError("--n-layers applies to --preset only (a checkpoint's layers are what it holds)")
         cfg = load_config(checkpoint, MuseGlimmerConfig)
-        check_memory(cfg, f"--checkpoint {checkpoint}")
-        model = MuseGlimmer(cfg)
-        load_state(checkpoint, model)
+        weights = SafetensorsWeights(checkpoint)
+        weights.check(expected_shapes(meta_target(cfg)))
         tok = Path(checkpoint) / C.TOKENIZER_FILE
-        return TargetSource(Path(checkpoint).resolve().name, cfg, model, tok if tok.is_file() else None)
+        return TargetSource(Path(checkpoint).resolve().name, cfg, weights, tok if tok.is_file() else None)
     if preset not in PRESETS:
         raise ExportError(f"--preset is {preset!r}; allowed: {' | '.join(PRESETS)}")
-    cfg = PRESETS[preset]
-    check_memory(cfg, f"--preset {preset}")
-    return TargetSource(f"preset-{preset}", cfg, init_random(MuseGlimmer(cfg), PRESET_SEED), None,
+    cfg, name = PRESETS[preset], f"preset-{preset}"
+    if n_layers is not None:
+        if not 1 <= n_layers <= cfg.n_layers:
+            raise ExportError(f"--n-layers is {n_layers}; allowed: an integer in [1, {cfg.n_layers}] (the layers of "
+                              f"--preset {preset})")
+        cfg, name = dataclasses.replace(cfg, n_layers=n_layers), f"{name}-{n_layers}l"
+    return TargetSource(name, cfg, RandomWeights(PRESET_SEED), None,
                         byte_tokenizer=cfg.vocab_size >= BYTE_TOKENIZER_IDS)
 
 
-EXPORT_COPIES = 3  # the model's weights, the lowered program's constants, the serialized .pte buffer
+def _existing(path: Path) -> Path:
+    """`path` or its nearest existing ancestor (the folder whose disk an output will land on)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
-def available_memory() -> Optional[int]:
-    """Bytes of host memory available now (Linux MemAvailable), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def check_memory(cfg: MuseGlimmerConfig, what: str, available: Optional[int] = None) -> None:
-    """Refuse up front an export whose weights, held EXPORT_COPIES times while lowering, exceed the host memory
-    available now (the export holds the whole model in memory)."""
-    available = available_memory() if available is None else available
-    if available is None:
-        return
-    weight_bytes = cfg.n_params() * torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
-    need = EXPORT_COPIES * weight_bytes
-    if need > available:
-        raise ExportError(f"{what}: {cfg.n_params() / 1e9:.2f}B parameters ({weight_bytes / 1e9:.1f} GB of "
-                          f"{cfg.dtype} weights) need about {need / 1e9:.1f} GB of host memory to export (the "
-                          f"weights are held {EXPORT_COPIES} times while lowering); {available / 1e9:.1f} GB is "
-                          f"available")
+def check_disk(directory: Path, need: int, free: Optional[int] = None) -> None:
+    """Refuse up front an export whose files do not fit the free space of the disk holding `directory`."""
+    if free is None:
+        try:
+            free = shutil.disk_usage(directory).free
+        except OSError:
+            return
+    if need > free:
+        raise ExportError(f"--output-dir {directory}: the artifact needs {need / 1e9:.2f} GB ({need} bytes); the "
+                          f"disk holding it has {free / 1e9:.2f} GB free")
 
 
 def check_options(opts: ExportOptions) -> None:
@@ -193,6 +202,22 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
+def _ptd_tensors(external: dict[str, tuple], sources: dict[str, WeightSource],
+                 buffers: dict[str, torch.Tensor]) -> list[PtdTensor]:
+    """What model.ptd holds, in the program's first-use order: parameters stream from their source (by the
+    key's prefix: `model.` the target, `draft.` the drafter), buffers (RoPE frequencies) from the meta model."""
+    tensors = []
+    for key, (dtype, shape) in external.items():
+        prefix, name = key.split(".", 1)
+        if key in buffers:
+            value = buffers[key]
+            chunks = (lambda v=value, d=dtype: iter([v.detach().to(d).contiguous().reshape(-1)]))
+        else:
+            chunks = (lambda src=sources[prefix], n=name, s=shape, d=dtype: src.chunks(n, s, d))
+        tensors.append(PtdTensor(key, dtype, shape, chunks))
+    return tensors
+
+
 def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progress,
                     draft: Optional[DraftSource] = None) -> Manifest:
     """Export `target` (and its DFlash `draft`) under `opts` into `opts.output_dir`; nothing is left
@@ -201,58 +226,81 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
     t0 = time.perf_counter()
     cfg = target.cfg
     dtype = opts.dtype or cfg.dtype
-    model = target.model.to(getattr(torch, dtype)).eval()
+    tdtype = getattr(torch, dtype)
+    params = cfg.n_params() + (draft.cfg.n_params(cfg.dim) if draft is not None else 0)
+    check_disk(_existing(Path(opts.output_dir).parent), params * tdtype.itemsize)  # up front, before any lowering
+    model = meta_target(cfg).to(tdtype).eval()
     kv = target_kv(cfg, opts, dtype)
     progress(f"model {target.name}: {cfg.n_layers} layers ({len(kv.ring_layers)} ring, "
              f"{cfg.n_layers - len(kv.ring_layers)} flat), dim {cfg.dim}, vocab {cfg.vocab_size}, "
-             f"{cfg.n_params() / 1e6:.2f}M parameters, {dtype}")
+             f"{cfg.n_params() / 1e9:.3f}B parameters, {dtype}, weights from {target.weights.description}")
     taps = tuple(draft.cfg.target_layers) if draft is not None else ()
     progress(f"torch.export forward (tokens per step 1..{opts.max_write}{', hidden taps ' + str(list(taps)) if taps else ''})")
     methods = {C.METHOD_FORWARD: export_target(model, opts.max_write, taps)}
     constants = target_constants(cfg, kv)
     specs = (forward_method(cfg, kv, taps),)
+    sources: dict[str, WeightSource] = {"model": target.weights}
+    buffers = {f"model.{n}": b for n, b in model.named_buffers()}
     draft_kv = None
     if draft is not None:
-        draft_model = draft.model.to(getattr(torch, dtype)).eval()
+        with meta_parameters():
+            draft_model = DFlashDraft(draft.cfg, cfg).to(tdtype).eval()
         draft_kv = draft_kv_spec(draft.cfg, kv)
         progress(f"torch.export drafter {draft.name}: {draft.cfg.n_layers} layers, block {draft.cfg.block_size}, "
-                 f"mask token {draft.cfg.mask_token_id}")
+                 f"mask token {draft.cfg.mask_token_id}, weights from {draft.weights.description}")
         methods.update(export_draft(draft_model, model, draft_kv))
         constants.update(draft_constants(draft.cfg, draft_kv))
         specs += draft_methods(draft.cfg, cfg, draft_kv)
-    program = to_program(ProgramParts(methods, constants), progress)
+        sources["draft"] = draft.weights
+        buffers.update({f"draft.{n}": b for n, b in draft_model.named_buffers()})
+    program, external = to_program(ProgramParts(methods, constants), progress)
+    tensors = _ptd_tensors(external, sources, buffers)
 
     out = Path(opts.output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    check_disk(out.parent, file_size(tensors) + len(program))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the artifact gets the user's usual permissions
     try:
         (tmp / C.PROGRAM_FILE).write_bytes(program)
-        files = [C.PROGRAM_FILE]
+        entries = [file_entry(tmp / C.PROGRAM_FILE)]
+        total = sum(t.nbytes for t in tensors)
+        progress(f"writing {C.WEIGHTS_FILE}: {len(tensors)} tensors, {total / 1e9:.2f} GB")
+        t_write = time.perf_counter()
+        size, sha = write_ptd(tmp / C.WEIGHTS_FILE, tensors, progress)
+        seconds = time.perf_counter() - t_write
+        progress(f"wrote {C.WEIGHTS_FILE}: {size / 1e9:.2f} GB in {seconds:.1f}s "
+                 f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+        entries.append(FileEntry(C.WEIGHTS_FILE, size, sha))
         if target.tokenizer is not None:
             shutil.copyfile(target.tokenizer, tmp / C.TOKENIZER_FILE)
-            files.append(C.TOKENIZER_FILE)
+            entries.append(file_entry(tmp / C.TOKENIZER_FILE))
         elif target.byte_tokenizer:
             write_byte_tokenizer(tmp / C.TOKENIZER_FILE)
-            files.append(C.TOKENIZER_FILE)
+            entries.append(file_entry(tmp / C.TOKENIZER_FILE))
         manifest = Manifest(
             format=C.FORMAT, version=C.VERSION,
             model=ModelFacts(name=target.name, vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
                              bos_id=cfg.bos_id, eos_ids=tuple(cfg.eos_ids), dtype=dtype),
             kv=kv, draft=draft_facts(draft.cfg, draft_kv) if draft is not None else None,
             methods=specs + constant_method_specs(constants),
-            files=tuple(file_entry(tmp / f) for f in files),
+            files=tuple(entries),
             provenance=Provenance(tool_version=_version("mg-toolchain"), torch_version=torch.__version__,
                                   executorch_version=_version("executorch")),
         )
         write_manifest(manifest, tmp / C.MANIFEST_FILE)
         _replace_dir(tmp, out)
+        write_stamp(out / C.WEIGHTS_FILE, sha)  # hashed while written: the first load need not hash it again
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    progress(f"wrote {out} ({len(program) / 1e6:.2f} MB program) in {time.perf_counter() - t0:.1f}s")
+    finally:
+        for source in sources.values():
+            getattr(source, "close", lambda: None)()
+    progress(f"wrote {out} ({len(program) / 1e6:.2f} MB program, {size / 1e9:.2f} GB weights) in "
+             f"{time.perf_counter() - t0:.1f}s")
     return manifest
 
 

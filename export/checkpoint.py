@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .config import ConfigError, read_config
 
@@ -28,33 +28,16 @@ def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def load_state(directory: Path, model: torch.nn.Module) -> None:
-    """Load `model.safetensors` of `directory` into `model`, refusing missing, extra or misshapen tensors."""
-    path = Path(directory) / WEIGHTS_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found (a checkpoint directory holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    """Load the weights of checkpoint `directory` (single file or shards) into `model`, refusing missing, extra,
+    misshapen or non-float tensors."""
+    from .weights import SafetensorsWeights, materialize
+
+    weights = SafetensorsWeights(directory)
     try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types across versions
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-    want = expected_shapes(model)
-    missing = sorted(set(want) - set(tensors))
-    if missing:
-        raise CheckpointError(f"{path}: missing tensor '{missing[0]}' with shape {list(want[missing[0]])}"
-                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
-    extra = sorted(set(tensors) - set(want))
-    if extra:
-        raise CheckpointError(f"{path}: unexpected tensor '{extra[0]}'; this configuration has "
-                              f"{len(want)} tensors (see the checkpoint format in README.md)")
-    for name, shape in want.items():
-        got = tuple(tensors[name].shape)
-        if got != shape:
-            raise CheckpointError(f"{path}: tensor '{name}' has shape {list(got)}; expected {list(shape)}")
-        if not tensors[name].is_floating_point():
-            raise CheckpointError(f"{path}: tensor '{name}' has dtype {tensors[name].dtype}; expected a float dtype")
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, t in tensors.items():
-            params[name].copy_(t.to(params[name].dtype))
+        weights.check(expected_shapes(model))
+        materialize(weights, model)
+    finally:
+        weights.close()
 
 
 def load_config(directory: Path, cls: type):

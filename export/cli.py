@@ -31,6 +31,8 @@ def _progress():
                    "[default: the embedded mg-tiny-code model and its drafter].")
 @click.option("--preset", type=str, default=None,
               help=f"Random-weight configuration instead of a checkpoint: {' | '.join(PRESETS)}.")
+@click.option("--n-layers", type=int, default=None,
+              help="Keep only the first N layers of --preset (real width, less depth) [default: all].")
 @click.option("--draft-checkpoint", type=click.Path(path_type=Path), default=None,
               help="DFlash drafter checkpoint directory (config.json + model.safetensors).")
 @click.option("--draft-preset", type=str, default=None,
@@ -46,8 +48,8 @@ def _progress():
 @click.option("--dtype", type=str, default=None, metavar="float32|bfloat16", help="[default: the checkpoint's]")
 @click.option("-o", "--output-dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory (one holding manifest.json).")
-def main(checkpoint, preset, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write, dtype, output_dir, force):
-    """Export an MG model to an ExecuTorch program (model.pte) with manifest.json."""
+def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write, dtype, output_dir, force):
+    """Export an MG model to an ExecuTorch program (model.pte), its weights (model.ptd) and manifest.json."""
     from mg.kernels.quiet import quiet_dependencies
 
     quiet_dependencies()
@@ -82,7 +84,7 @@ def main(checkpoint, preset, draft_checkpoint, draft_preset, layout, max_seqs, m
             if draft_checkpoint is None and draft_preset is None:
                 draft_checkpoint = default_draft
         say(f"loading {'checkpoint ' + str(checkpoint) if checkpoint else 'preset ' + preset}")
-        target = load_target(checkpoint, preset)
+        target = load_target(checkpoint, preset, n_layers)
         draft = None
         if draft_checkpoint is not None or draft_preset is not None:
             say(f"loading drafter {'checkpoint ' + str(draft_checkpoint) if draft_checkpoint else 'preset ' + draft_preset}")

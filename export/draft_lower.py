@@ -5,9 +5,7 @@ Two methods, both calling the `mg::` draft ops so the graph holds no KV:
 `draft_block(tokens[B, T], positions[B, T], seq_slots[B]) -> logits[B, T-1, V]`.
 `draft_block` holds the target's `tok_embeddings` and `output` modules under
 the same names as the target's `forward` (`model.tok_embeddings.weight`,
-`model.output.weight`); ExecuTorch's emitter stores constants once per
-distinct content (sha256 of the bytes, across all methods of a program), so
-the artifact stores them once. Knows nothing about the runtime.
+`model.output.weight`), so `model.ptd` stores them once for all methods. Knows nothing about the runtime.
 """
 
 from __future__ import annotations
@@ -25,10 +23,12 @@ import mg.kernels  # noqa: F401  (registers mg:: ops)
 from mg.manifests.values import draft_constant_values
 from mg.manifests import DraftFacts, KVLayer, KVSpec, MethodSpec, TensorSpec, constants as C
 
-from .checkpoint import load_config, load_state
+from .checkpoint import expected_shapes, load_config
 from .config import ConfigError, MuseGlimmerConfig
 from .draft_model import DRAFT_PRESETS, DFlashConfig, DFlashDraft
-from .model import MuseGlimmer, init_random
+from .lower import export_lifted, meta_parameters
+from .weights import RandomWeights, SafetensorsWeights, WeightSource
+from .model import MuseGlimmer
 
 
 class DraftAppendMethod(nn.Module):
@@ -120,8 +120,8 @@ def draft_methods(dcfg: DFlashConfig, target: MuseGlimmerConfig, draft_kv: KVSpe
 
 
 def export_draft(draft: DFlashDraft, target: MuseGlimmer, draft_kv: KVSpec) -> dict:
-    """torch.export both draft methods under the bounds `draft_methods` declares: M in [1, max_write];
-    B in [1, draft_max_seqs] (static 1 when that is 1); T = block_size static. -> {method name: ExportedProgram}."""
+    """Trace both draft methods under the bounds `draft_methods` declares: M in [1, max_write];
+    B in [1, draft_max_seqs] (static 1 when that is 1); T = block_size static. -> {method name: LiftedMethod}."""
     max_write, max_seqs = draft_kv.max_write, draft_max_seqs(draft_kv)
     if max_write < 2:
         raise ValueError(f"max_write is {max_write}; allowed: an integer >= 2")
@@ -134,11 +134,8 @@ def export_draft(draft: DFlashDraft, target: MuseGlimmer, draft_kv: KVSpec) -> d
     tokens = torch.full((b_ex, cfg.block_size), cfg.mask_token_id, dtype=torch.long)
     positions = torch.arange(cfg.block_size).repeat(b_ex, 1)
     block_args = (tokens, positions, torch.arange(b_ex))
-    with torch.no_grad():
-        append = torch.export.export(DraftAppendMethod(draft).eval(), append_args,
-                                     dynamic_shapes=({0: m}, {0: m}, {0: m}), strict=False)
-        block = torch.export.export(DraftBlockMethod(draft, target).eval(), block_args,
-                                    dynamic_shapes=({0: b}, {0: b}, {0: b}), strict=False)
+    append = export_lifted(DraftAppendMethod(draft), append_args, ({0: m}, {0: m}, {0: m}))
+    block = export_lifted(DraftBlockMethod(draft, target), block_args, ({0: b}, {0: b}, {0: b}))
     return {C.METHOD_DRAFT_APPEND: append, C.METHOD_DRAFT_BLOCK: block}
 
 
@@ -146,26 +143,34 @@ def export_draft(draft: DFlashDraft, target: MuseGlimmer, draft_kv: KVSpec) -> d
 class DraftSource:
     name: str
     cfg: DFlashConfig
-    model: DFlashDraft
+    weights: WeightSource  # by the drafter's parameter names
 
 
 def load_draft(checkpoint: Optional[Path], preset: Optional[str], target: MuseGlimmerConfig,
                seed: int = 0) -> DraftSource:
-    """A drafter for `target` from a native checkpoint directory, or a random-weight preset."""
+    """A drafter for `target` from a native checkpoint directory (weights read when the export writes them), or
+    a random-weight preset. A preset's tapped layers that do not fit a shortened target are spread over the
+    target's layers in the same proportions."""
     if checkpoint is not None:
         cfg = load_config(checkpoint, DFlashConfig)
-        model = _checked(cfg, target, str(Path(checkpoint) / "config.json"))
-        load_state(checkpoint, model)
-        return DraftSource(Path(checkpoint).resolve().name, cfg, model)
+        shapes = expected_shapes(_checked(cfg, target, str(Path(checkpoint) / "config.json")))
+        weights = SafetensorsWeights(checkpoint)
+        weights.check(shapes)
+        return DraftSource(Path(checkpoint).resolve().name, cfg, weights)
     if preset not in DRAFT_PRESETS:
         raise ConfigError(f"--draft-preset is {preset!r}; allowed: {' | '.join(DRAFT_PRESETS)}")
     cfg = DRAFT_PRESETS[preset]
-    model = _checked(cfg, target, f"--draft-preset {preset}")
-    return DraftSource(f"preset-{preset}", cfg, init_random(model, seed))
+    if cfg.target_layers[-1] >= target.n_layers:
+        span = cfg.target_layers[-1] + 2  # the depth the preset's taps were laid out for
+        taps = sorted({min(target.n_layers - 1, round(t * target.n_layers / span)) for t in cfg.target_layers})
+        cfg = dataclasses.replace(cfg, target_layers=tuple(taps))
+    _checked(cfg, target, f"--draft-preset {preset}")
+    return DraftSource(f"preset-{preset}", cfg, RandomWeights(seed))
 
 
 def _checked(cfg: DFlashConfig, target: MuseGlimmerConfig, source: str) -> DFlashDraft:
     try:
-        return DFlashDraft(cfg, target)
+        with meta_parameters():
+            return DFlashDraft(cfg, target)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e} (drafter does not fit the target)") from None

@@ -103,6 +103,10 @@ DRAFT_PRESETS: dict[str, DFlashConfig] = {
     # drafter's (2, 14, ..., 50 of 52), block 16 as the real one.
     "medium": DFlashConfig(n_layers=3, n_heads=16, n_kv_heads=4, head_dim=128, ffn_dim=6144, block_size=16,
                            mask_token_id=3, target_layers=(1, 4, 7, 10, 13)),
+    # For mg-30b (dim 6656, 52 layers): the real drafter's shape as docs/ARCHITECTURE.md states it (5 layers,
+    # 32 query / 8 KV heads, taps 2, 14, 26, 38, 50, block 16). With --n-layers the taps are spread over the
+    # kept layers in the same proportions.
+    "mg-30b": DFlashConfig(),
 }
 
 

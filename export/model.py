@@ -153,14 +153,8 @@ class MuseGlimmer(nn.Module):
 
 
 def init_random(model: nn.Module, seed: int) -> nn.Module:
-    """Deterministic random weights: linears ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms ~ 1 + N(0, 0.1)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 2 and "embeddings" not in name:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen))
-    return model
+    """Deterministic random weights, each tensor from (seed, its name): norms ~ 1 + N(0, 0.1), linears
+    ~ N(0, 1/fan_in), embeddings ~ N(0, 1). The same values a preset export streams into its `model.ptd`."""
+    from .weights import RandomWeights, materialize
+
+    return materialize(RandomWeights(seed), model)

@@ -8,6 +8,7 @@ sides compute. Imports nothing of ours but the contract.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Optional, Union
 
@@ -61,3 +62,46 @@ def sha256_file(path: Path) -> str:
 def file_entry(path: Path) -> FileEntry:
     path = Path(path)
     return FileEntry(path.name, path.stat().st_size, sha256_file(path))
+
+
+# -- verified stamps: a file's sha256, remembered while the file stays the same --------------------------
+# Hashing a multi-GB model.ptd costs about a second per GB. After a file has been hashed (by the export that
+# wrote it, or by a load that verified it), a stamp keyed by (device, inode, size, mtime) records the digest;
+# a later load of the same unchanged file trusts the stamp. A rewritten or replaced file gets a new key.
+
+
+def stamp_dir() -> Path:
+    root = os.environ.get("MG_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mg-toolchain")
+    return Path(root) / "verified"
+
+
+def _stamp_path(path: Path) -> Optional[Path]:
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return stamp_dir() / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def stamped_sha256(path: Path) -> Optional[str]:
+    """The digest a stamp records for `path` as it is now, or None."""
+    stamp = _stamp_path(path)
+    try:
+        return stamp.read_text(encoding="ascii").strip() if stamp is not None else None
+    except OSError:
+        return None
+
+
+def write_stamp(path: Path, sha256: str) -> None:
+    """Remember that `path`, as it is now, has digest `sha256` (best effort: an unwritable cache is skipped)."""
+    stamp = _stamp_path(path)
+    if stamp is None:
+        return
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+        tmp.write_text(sha256 + "\n", encoding="ascii")
+        tmp.replace(stamp)
+    except OSError:
+        pass

@@ -1,8 +1,11 @@
 """Loading an artifact directory: manifest, file hashes, program, and their cross-check.
 
 The runtime knows the model only through this: `manifest.json` (validated by
-mg.manifests), `model.pte` (run by `Program`), and the constant methods, which
-must agree with the manifest value for value. The KV layout is chosen here from
+mg.manifests), `model.pte` (run by `Program`), `model.ptd` (its weights, read
+in place or streamed to the device), and the constant methods, which must agree
+with the manifest value for value. Every listed file's size is checked; its
+sha256 too, except that `model.ptd` is hashed only when no verified stamp
+matches it (mg.manifests.values) and never with `verify=False`. The KV layout is chosen here from
 what the program publishes: kBatchedSequence when it declares
 `get_offgraph_kv_max_seqs`, kBatchedCell otherwise. Never imports mg.export.
 """
@@ -18,8 +21,10 @@ import torch
 import mg.kernels  # noqa: F401  (registers the mg:: op schemas the program names)
 from mg.kernels.ops import op_names
 from mg.manifests import Manifest, ManifestError, constants as C, read_manifest
-from mg.manifests.values import draft_constant_values, sha256_file, target_constant_values
+from mg.manifests.values import (draft_constant_values, sha256_file, stamped_sha256, target_constant_values,
+                                 write_stamp)
 
+from .data_file import DataFileError
 from .program import Program, ProgramError
 
 CUSTOM_OPS = op_names()  # bound per model runner to its own caches
@@ -42,17 +47,24 @@ class Artifact:
         return self.manifest.draft is not None
 
 
-def _check_files(directory: Path, manifest: Manifest) -> None:
+def _check_files(directory: Path, manifest: Manifest, verify: bool = True) -> None:
     for entry in manifest.files:
         path = directory / entry.name
         if not path.is_file():
             raise ArtifactError(f"{path}: file not found (listed in {C.MANIFEST_FILE})")
         size = path.stat().st_size
         if size != entry.size:
-            raise ArtifactError(f"{path}: size is {size} bytes; {C.MANIFEST_FILE} says {entry.size}")
+            raise ArtifactError(f"{path}: size is {size} bytes; {C.MANIFEST_FILE} says {entry.size}"
+                                f"{' (truncated file?)' if size < entry.size else ''}")
+        weights = entry.name == C.WEIGHTS_FILE
+        if weights and (not verify or stamped_sha256(path) == entry.sha256):
+            continue
         digest = sha256_file(path)
         if digest != entry.sha256:
-            raise ArtifactError(f"{path}: sha256 is {digest[:16]}...; {C.MANIFEST_FILE} says {entry.sha256[:16]}...")
+            raise ArtifactError(f"{path}: sha256 is {digest[:16]}...; {C.MANIFEST_FILE} says {entry.sha256[:16]}..."
+                                f"{' (a damaged file, or one from another export)' if weights else ''}")
+        if weights:
+            write_stamp(path, digest)
 
 
 def expected_constants(manifest: Manifest) -> dict[str, object]:
@@ -99,8 +111,10 @@ def _cross_check(program: Program, manifest: Manifest, source: str) -> str:
     return layout
 
 
-def load_artifact(directory: Path, device: str = "cpu", layout: Optional[str] = None) -> Artifact:
-    """Load and verify an artifact. `layout`, when given, must equal the exported one (it is fixed at export)."""
+def load_artifact(directory: Path, device: str = "cpu", layout: Optional[str] = None,
+                  verify: bool = True) -> Artifact:
+    """Load and verify an artifact. `layout`, when given, must equal the exported one (it is fixed at export).
+    `verify=False` skips hashing `model.ptd` (sizes, keys and shapes are still checked)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"{directory}: not an artifact directory (expected {C.MANIFEST_FILE} and "
@@ -112,12 +126,14 @@ def load_artifact(directory: Path, device: str = "cpu", layout: Optional[str] = 
     if layout is not None and layout != manifest.kv.layout:
         raise ArtifactError(f"--kv-layout {layout} was asked for, but {directory} was exported with the "
                             f"'{manifest.kv.layout}' layout; the layout is fixed at export (re-export to change it)")
-    _check_files(directory, manifest)
+    _check_files(directory, manifest, verify)
     program_path = directory / C.PROGRAM_FILE
+    listed = {entry.name for entry in manifest.files}
     try:
         program = Program.load(program_path, device=device, dtype=getattr(torch, manifest.model.dtype),
-                               custom_ops={name: None for name in CUSTOM_OPS})
-    except ProgramError as e:
+                               custom_ops={name: None for name in CUSTOM_OPS},
+                               data_path=directory / C.WEIGHTS_FILE if C.WEIGHTS_FILE in listed else None)
+    except (ProgramError, DataFileError) as e:
         raise ArtifactError(str(e)) from None
     chosen = _cross_check(program, manifest, str(directory))
     tok = directory / C.TOKENIZER_FILE

@@ -84,11 +84,14 @@ def _check_output_path(flag: str, path: Optional[Path]) -> None:
                    "draft-block - 1 drafts.")
 @click.option("--no-cuda-graphs", is_flag=True,
               help="With --device cuda: run every step eagerly instead of replaying CUDA graphs (for comparison).")
+@click.option("--no-verify", is_flag=True,
+              help="Skip hashing model.ptd against manifest.json (sizes, keys and shapes are still checked). "
+                   "Without it the weights are hashed unless this unchanged file was hashed before.")
 @click.option("--output", type=click.Path(path_type=Path), default=None,
               help="Output JSONL, one line per request as it finishes ('-' = stdout) [default: stdout].")
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
 def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, threads, kv_layout,
-         no_dflash, draft_block, speculation, no_cuda_graphs, output, stats_json):
+         no_dflash, draft_block, speculation, no_cuda_graphs, no_verify, output, stats_json):
     """Serve the prompts of ARTIFACT (an mg-export directory) and write one JSON line per request."""
     if not prompts and input_path is None:
         click.echo(click.get_current_context().get_help(), err=True)
@@ -128,7 +131,8 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
     try:
         config = RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, dflash=not no_dflash,
                            draft_block=draft_block, speculation=speculation)
-        summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, sink, kv_layout)
+        summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, sink, kv_layout,
+                        verify=not no_verify)
     except ServeError as e:
         sink.close(finished=False)
         _die(str(e))

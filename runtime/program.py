@@ -2,7 +2,10 @@
 
 The file is read with ExecuTorch's own Python deserializer. Constant tensors
 (weights) are loaded once per `Program`, on its device, and shared by all
-methods. Each method's instruction chain becomes a list of precomputed steps
+methods: from the program's constant buffer, or, for external constants
+(`TensorDataLocation.EXTERNAL`), by their fully qualified name from a `.ptd`
+data file (`DataFile`: used in place on CPU, copied tensor by tensor to CUDA),
+after checking the file holds each key with the program's dtype and shape. Each method's instruction chain becomes a list of precomputed steps
 over a values table: the per-call loop only indexes lists and calls torch.
 Constant subgraphs (e.g. weight permutes) are evaluated once at load. Custom
 ops (`mg::*`) are served by Python callables bound by the caller. Unsupported
@@ -17,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import sys
 import threading
 import types
@@ -27,7 +29,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from mg.kernels.executorch_env import ensure_flatc
+
 from . import program_ops as ops
+from .data_file import DataFile
 
 # ExecuTorch ScalarType / MemoryFormat codes (c10 numbering) -> torch.
 _DTYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
@@ -68,18 +73,6 @@ class _Method:
     info: MethodInfo
 
 
-def _ensure_flatc() -> None:
-    """executorch 1.2 deserializes through the `flatc` binary shipped in its package; point to it once."""
-    if "FLATC_EXECUTABLE" in os.environ:
-        return
-    import executorch
-    flatc = Path(list(executorch.__path__)[0]) / "data" / "bin" / "flatc"  # a namespace package: no __file__
-    if flatc.is_file():
-        if not os.access(flatc, os.X_OK):
-            flatc.chmod(flatc.stat().st_mode | 0o111)
-        os.environ["FLATC_EXECUTABLE"] = str(flatc)
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -89,7 +82,7 @@ def deserialize(data: bytes, source: str):
     """-> the schema.Program of a `.pte` buffer; ProgramError (one line naming `source`) if it is not one."""
     if len(data) < 8 or data[4:6] != b"ET":
         raise ProgramError(f"{source}: not an ExecuTorch program (no 'ET' file identifier)")
-    _ensure_flatc()
+    ensure_flatc()
     deserialize_pte_binary = _reader()[0]
     try:
         result = deserialize_pte_binary(data)
@@ -150,9 +143,10 @@ class Program:
 
     def __init__(self, program, source: str, device: str | torch.device = "cpu",
                  dtype: Optional[torch.dtype] = None, custom_ops: Optional[dict[str, Optional[Callable]]] = None,
-                 views_as_copies: bool = False, fold_constants: bool = True):
+                 views_as_copies: bool = False, fold_constants: bool = True, data: Optional[DataFile] = None):
         """`custom_ops` maps qualified names ("mg::update_and_attend") to functional callables, or None
-        for ops bound later with `bind`. `dtype`, when given, is checked against the stored weights."""
+        for ops bound later with `bind`. `dtype`, when given, is checked against the stored weights. `data`
+        serves the program's external constants."""
         self._S = _reader()[1]
         self.source = source
         self.device = torch.device(device)
@@ -163,18 +157,23 @@ class Program:
         self._program = program
         self._bindings: dict[str, Optional[Callable]] = dict(custom_ops or {})
         self._local = threading.local()  # .ops: the table of the `run` in progress on this thread
-        self._weights: dict[int, torch.Tensor] = {}  # data_buffer_idx -> tensor on device
+        self._weights: dict[int | str, torch.Tensor] = {}  # data_buffer_idx or external key -> tensor on device
+        self._data = data
         self._methods = {plan.name: self._build(plan) for plan in program.execution_plan}
+        if data is not None:
+            data.release_staging()
         self._check_dtype(dtype)
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
-             **kwargs: Any) -> "Program":
+             data_path: Optional[str | Path] = None, **kwargs: Any) -> "Program":
+        """Load a `.pte`; `data_path` names the `.ptd` holding its external constants."""
         try:
-            data = Path(path).read_bytes()
+            buffer = Path(path).read_bytes()
         except OSError as e:
             raise ProgramError(f"{path}: cannot read the program ({e.strerror or _first_line(e)})") from None
-        return cls(deserialize(data, str(path)), str(path), device, dtype, **kwargs)
+        data = DataFile(data_path) if data_path is not None else None
+        return cls(deserialize(buffer, str(path)), str(path), device, dtype, data=data, **kwargs)
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -279,6 +278,25 @@ class Program:
             self._weights[buf] = physical.permute(sorted(range(len(order)), key=order.__getitem__)).to(self.device)
         return self._weights[buf]
 
+    def _external(self, method: str, t, key: str) -> torch.Tensor:
+        """External constant `key` from the data file, checked against the program's dtype and shape."""
+        if key not in self._weights:
+            data = self._data
+            if data is None:
+                raise ProgramError(f"{self.source}: method {method!r} constant {key!r} lives in an external data "
+                                   f"file (.ptd); none was given")
+            entry = data.entries.get(key)
+            want_dtype, want = _DTYPES.get(int(t.scalar_type)), tuple(t.sizes)
+            if entry is None:
+                raise ProgramError(f"{data.path}: holds no tensor {key!r}, which method {method!r} of "
+                                   f"{self.source} needs (a data file from another export?)")
+            if entry.dtype != want_dtype or entry.sizes != want:
+                raise ProgramError(f"{data.path}: tensor {key!r} is {entry.dtype} {list(entry.sizes)}; method "
+                                   f"{method!r} of {self.source} expects {want_dtype} {list(want)} (a data file "
+                                   f"from another export?)")
+            self._weights[key] = data.tensor(key, self.device)
+        return self._weights[key]
+
     def _template(self, plan, dynamic: set[int]) -> list:
         S = self._S
         values: list = [None] * len(plan.values)
@@ -296,9 +314,8 @@ class Program:
             elif isinstance(v, S.Tensor):
                 info = v.extra_tensor_info
                 if info is not None and info.location == S.TensorDataLocation.EXTERNAL:
-                    raise ProgramError(f"{self.source}: method {plan.name!r} constant {info.fully_qualified_name!r} "
-                                       f"lives in external data (.ptd), which this runner does not load")
-                if v.data_buffer_idx > 0 and v.allocation_info is None and i not in dynamic:
+                    values[i] = self._external(plan.name, v, info.fully_qualified_name)
+                elif v.data_buffer_idx > 0 and v.allocation_info is None and i not in dynamic:
                     values[i] = self._weight(plan.name, i, v)
             elif not isinstance(v, S.Null):
                 raise ProgramError(f"{self.source}: method {plan.name!r} value {i} is a {type(v).__name__}, "

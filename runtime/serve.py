@@ -91,12 +91,12 @@ def _seeded(item):
 
 def serve(artifact_dir: Path, prompts: Sequence[str], input_path: Optional[Path], max_new_tokens: int,
           params: SamplingParams, config: RunConfig, sink: Callable[[dict], None],
-          layout: Optional[str] = None) -> Summary:
+          layout: Optional[str] = None, verify: bool = True) -> Summary:
     """Load, check every request, then serve them, handing each result record to `sink` as soon as it is
     known (bad lines first, then requests as they finish); returns the Summary. `input_path` "-" reads
     standard input. Nothing reaches `sink` when the run cannot start (ServeError)."""
     try:
-        artifact = load_artifact(artifact_dir, device=config.device, layout=layout)
+        artifact = load_artifact(artifact_dir, device=config.device, layout=layout, verify=verify)
     except ArtifactError as e:
         raise ServeError(str(e)) from None
     m = artifact.manifest

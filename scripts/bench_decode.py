@@ -7,7 +7,15 @@ DFlash drafter (DRAFT_PRESETS['medium'], taps moved inside the target) is export
 layout (in parallel processes), then served by `mg.runtime` engines. Prints Markdown tables;
 `--out` writes the numbers as JSON. `--tiny` runs the tiny presets (a smoke test; works on CPU).
 
+`--preset mg-30b --n-layers 16` benchmarks the first 16 layers of MG-30B at full width (~21 GB of
+bf16 weights) with the mg-30b drafter preset: each layout is exported (streaming, in a child process
+whose peak RSS is reported), benchmarked, and deleted before the next, so one artifact is on disk
+at a time. The report adds export time, GB/s and peak RSS, load time, host RSS and device memory
+after load, and the DFlash speed-up projected from the measured round cost at acceptance lengths
+3.2 and 6.5 (speed-up = acceptance length / (round time / step time)).
+
     python scripts/bench_decode.py --out bench_decode.json
+    python scripts/bench_decode.py --preset mg-30b --n-layers 16 --out bench_real.json
 
 Bench scripts may import mg.export (the runtime never does).
 """
@@ -18,6 +26,9 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
+import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -32,10 +43,16 @@ PROMPT = 64  # prompt tokens per request
 BLOCK = 16  # DFlash block (the medium drafter's)
 
 
-def bench_config(layers: int, tiny: bool):
+def bench_config(layers: int, tiny: bool, preset: str | None = None):
     from mg.export.config import PRESETS, MuseGlimmerConfig
     from mg.export.draft_model import DRAFT_PRESETS
 
+    if preset is not None:
+        from mg.export.artifact import load_target
+        from mg.export.draft_lower import load_draft
+
+        target = load_target(None, preset, layers)
+        return target.cfg, load_draft(None, preset, target.cfg).cfg
     if tiny:
         return PRESETS["tiny"], DRAFT_PRESETS["tiny"]
     cfg = MuseGlimmerConfig(dim=2048, n_layers=layers, n_heads=16, n_kv_heads=2, head_dim=128, ffn_dim=6144,
@@ -45,24 +62,32 @@ def bench_config(layers: int, tiny: bool):
 
 
 def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, max_seqs: int,
-               max_context: int) -> tuple[str, float]:
-    """Export one layout (runs in its own process); -> (directory, seconds)."""
+               max_context: int, preset: str | None = None, threads: int = 0) -> tuple[str, float, float]:
+    """Export one layout (runs in its own process); -> (directory, seconds, peak RSS of the process in GB)."""
     import mg.kernels  # noqa: F401
     from mg.export.artifact import PRESET_SEED, ExportOptions, TargetSource, export_artifact
     from mg.export.draft_lower import DraftSource
-    from mg.export.draft_model import DFlashDraft
-    from mg.export.model import MuseGlimmer, init_random
+    from mg.export.weights import RandomWeights
 
-    torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+    torch.set_num_threads(threads or max(1, torch.get_num_threads() // 2))
     t0 = time.perf_counter()
-    cfg, dcfg = bench_config(layers, tiny)
-    target = TargetSource("bench", cfg, init_random(MuseGlimmer(cfg), PRESET_SEED), None)
-    draft = DraftSource("bench-draft", dcfg, init_random(DFlashDraft(dcfg, cfg), PRESET_SEED))
+    cfg, dcfg = bench_config(layers, tiny, preset)
+    target = TargetSource("bench", cfg, RandomWeights(PRESET_SEED), None)
+    draft = DraftSource("bench-draft", dcfg, RandomWeights(PRESET_SEED))
     sizes = {"max_seqs": max_seqs} if layout == "sequence" else {"max_cells": max_seqs * max_context}
     opts = ExportOptions(output_dir=Path(out), layout=layout, max_context=max_context, max_write=max_write, force=True,
                          **sizes)
     export_artifact(opts, target, lambda msg: print(f"  [{layout}] {msg}", flush=True), draft)
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def rss_gb() -> float:
+    """Resident set size of this process now (Linux), in GB."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    return float("nan")
 
 
 def sync(device: str) -> None:
@@ -157,9 +182,13 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
     from mg.runtime.engine import Engine
 
     dev = args.device
+    rss0 = rss_gb()
     t0 = time.perf_counter()
     art = load_artifact(Path(path), device=dev)
-    res.update(load_s=time.perf_counter() - t0, decode={}, dflash={}, e2e={},
+    res.update(load_s=time.perf_counter() - t0, rss_before_load_gb=rss0, rss_after_load_gb=rss_gb(),
+               peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+               device_gb=torch.cuda.memory_allocated() / 1e9 if dev == "cuda" else None,
+               decode={}, dflash={}, e2e={},
                steps_per_call={m: art.program.info(m).n_steps for m in art.program.method_names
                                if art.program.info(m).n_inputs})  # ops the interpreter runs per call
     graph_modes = (False, True) if dev == "cuda" else (False,)
@@ -185,12 +214,13 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
             fresh(cuda_graphs=graphs, dflash=False), b, 3, args.steps, dev, cfg.vocab_size)
         r["c"] = (r["draft_ms"] + r["forward_ms"]) / decode["forward_ms"]
         r["c_step"] = r["step_ms"] / decode["step_ms"]
+        r["projected_speedup"] = {str(tau): tau / r["c_step"] for tau in (3.2, 6.5)}
         res["dflash"][str(b)] = r
         save()
         print(f"  [{layout}] DFlash batch {b}: draft {r['draft_ms']:.2f} ms + verify {r['forward_ms']:.2f} ms vs "
               f"decode {decode['forward_ms']:.2f} ms -> c = {r['c']:.2f} (whole round / whole step "
               f"{r['c_step']:.2f}); acceptance length {r['acceptance_length']:.2f}", flush=True)
-    for b in args.dflash_batches:
+    for b in args.e2e_batches:
         ar = end_to_end(lambda: fresh(cuda_graphs=graphs, dflash=False), b, args.max_new, cfg.vocab_size)
         df = end_to_end(lambda: fresh(cuda_graphs=graphs, speculation="fixed"), b, args.max_new, cfg.vocab_size)
         ad = end_to_end(lambda: fresh(cuda_graphs=graphs), b, args.max_new, cfg.vocab_size)
@@ -206,7 +236,17 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
 def tables(report: dict) -> str:
     lines = [f"Target: {report['config']}; {report['params'] / 1e9:.3f}B parameters ({report['weight_gb']:.2f} GB "
              f"read per step); drafter: {report['draft_config']}. Copy bandwidth {report['copy_gbps']:.0f} GB/s "
-             f"-> weight-bandwidth floor {report['floor_ms']:.2f} ms/step. Device: {report['device']}.", "",
+             f"-> weight-bandwidth floor {report['floor_ms']:.2f} ms/step. Device: {report['device']}.", ""]
+    if report.get("ptd_gb"):
+        lines += ["| layout | export s | export GB/s (model.ptd) | export peak RSS GB | load s | host RSS after load GB "
+                  "| peak RSS GB | device GB after load |", "|---|---|---|---|---|---|---|---|"]
+        for layout, res in report["layouts"].items():
+            sec = report["export_s"].get(layout, float("nan"))
+            lines.append(f"| {layout} | {sec:.0f} | {report['ptd_gb'] / sec:.2f} | "
+                         f"{report['export_peak_rss_gb'].get(layout, float('nan')):.2f} | {res['load_s']:.1f} | "
+                         f"{res['rss_after_load_gb']:.2f} | {res['peak_rss_gb']:.2f} | {res['device_gb'] or 0:.2f} |")
+        lines.append("")
+    lines += [
              "| layout | batch | eager ms/step | graphs ms/step | speedup | graphs forward ms | floor ms |",
              "|---|---|---|---|---|---|---|"]
     for layout, res in report["layouts"].items():
@@ -217,14 +257,16 @@ def tables(report: dict) -> str:
             gf = f"{g['forward_ms']:.2f}" if g else "-"
             lines.append(f"| {layout} | {b} | {e['step_ms']:.2f} | {gs} | {sp} | {gf} | {report['floor_ms']:.2f} |")
     lines += ["", f"DFlash (block {report['draft_config']['block_size']}, random drafter): c = (t_draft + t_verify) / t_decode, forward times",
-              "", "| layout | batch | t_draft ms | t_verify ms | t_decode ms | c | round/step | acceptance length |",
-              "|---|---|---|---|---|---|---|---|"]
+              "", "| layout | batch | t_draft ms | t_verify ms | t_decode ms | c | round/step | acceptance length "
+              "| projected speed-up at 3.2 / 6.5 |", "|---|---|---|---|---|---|---|---|---|"]
     for layout, res in report["layouts"].items():
         for b, r in res["dflash"].items():
             mode = "graphs" if f"{b}/graphs" in res["decode"] else "eager"
             d = res["decode"].get(f"{b}/{mode}", {}).get("forward_ms", float("nan"))
+            proj = r.get("projected_speedup", {})
             lines.append(f"| {layout} | {b} | {r['draft_ms']:.2f} | {r['forward_ms']:.2f} | {d:.2f} | {r['c']:.2f} | "
-                         f"{r['c_step']:.2f} | {r['acceptance_length']:.2f} |")
+                         f"{r['c_step']:.2f} | {r['acceptance_length']:.2f} | "
+                         f"{proj.get('3.2', float('nan')):.2f}x / {proj.get('6.5', float('nan')):.2f}x |")
     lines += ["", f"End to end ({PROMPT}-token prompts, {report['max_new']} new tokens each, after a warm-up run)",
               "", "| layout | batch | AR tok/s | DFlash fixed tok/s | fixed acceptance length | DFlash adaptive tok/s "
               "| adaptive chosen k |", "|---|---|---|---|---|---|---|"]
@@ -248,12 +290,14 @@ def tables(report: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", "--n-layers", type=int, default=8, help="target depth (with --preset: its first N layers)")
+    p.add_argument("--preset", default=None, help="an mg-export preset at its own width (e.g. mg-30b)")
     p.add_argument("--tiny", action="store_true", help="tiny presets (smoke test)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--layouts", default="sequence,cell")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--dflash-batches", default="1,8")
+    p.add_argument("--e2e-batches", default=None, help="end-to-end runs [default: --dflash-batches; '' = none]")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--max-context", type=int, default=1024)
@@ -261,21 +305,31 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
-    args.dflash_batches = [int(x) for x in args.dflash_batches.split(",")]
+    args.dflash_batches = [int(x) for x in args.dflash_batches.split(",") if x]
+    args.e2e_batches = args.dflash_batches if args.e2e_batches is None else [
+        int(x) for x in args.e2e_batches.split(",") if x]
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_decode: --device cuda, but torch sees no CUDA device")
-    cfg, dcfg = bench_config(args.layers, args.tiny)
-    max_seqs = max(args.batches + args.dflash_batches)
-    max_write = max(max_seqs, BLOCK * max(args.dflash_batches), 2) if not args.tiny else 24
+    cfg, dcfg = bench_config(args.layers, args.tiny, args.preset)
+    max_seqs = max(args.batches + args.dflash_batches + args.e2e_batches)
+    max_write = max(max_seqs, BLOCK * max(args.dflash_batches + args.e2e_batches, default=1), 2) if not args.tiny else 24
     layouts = args.layouts.split(",")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-decode-"))
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(len(layouts), mp_context=get_context("spawn")) as pool:
-        futures = {lay: pool.submit(export_one, str(work / lay), lay, args.layers, args.tiny, max_write, max_seqs,
-                                    args.max_context) for lay in layouts}
-        exported = {lay: f.result() for lay, f in futures.items()}
-    print(f"exported {', '.join(f'{k} in {v[1]:.0f}s' for k, v in exported.items())} "
-          f"(wall {time.perf_counter() - t0:.0f}s)", flush=True)
+
+    def export(lays: list[str]) -> dict:
+        """Export `lays` in parallel child processes -> {layout: (directory, seconds, peak RSS GB)}."""
+        threads = 0 if len(lays) > 1 else (os.cpu_count() or 1)
+        with ProcessPoolExecutor(len(lays), mp_context=get_context("spawn")) as pool:
+            futures = {lay: pool.submit(export_one, str(work / lay), lay, args.layers, args.tiny, max_write, max_seqs,
+                                        args.max_context, args.preset, threads) for lay in lays}
+            done = {lay: f.result() for lay, f in futures.items()}
+        print(f"exported {', '.join(f'{k} in {v[1]:.0f}s (peak RSS {v[2]:.2f} GB)' for k, v in done.items())} "
+              f"(wall {time.perf_counter() - t0:.0f}s)", flush=True)
+        return done
+
+    one_at_a_time = args.preset is not None  # real-width artifacts: one on disk at a time
+    exported = {} if one_at_a_time else export(layouts)
     params = cfg.n_params()
     weight_bytes = (params - cfg.vocab_size * cfg.dim) * torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     bw = copy_bandwidth(args.device, 1 << 30 if args.device == "cuda" else 1 << 26)
@@ -287,14 +341,26 @@ def main() -> None:
               "params": params, "weight_gb": weight_bytes / 1e9, "copy_gbps": bw / 1e9,
               "floor_ms": 1e3 * weight_bytes / bw, "max_write": max_write, "max_new": args.max_new,
               "batches": args.batches, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "export_s": {k: v[1] for k, v in exported.items()}, "layouts": {}}
+              "export_s": {}, "export_peak_rss_gb": {}, "ptd_gb": None, "layouts": {}}
     def save() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
     for lay in layouts:
+        if one_at_a_time:
+            exported.update(export([lay]))
+        path, seconds, peak = exported[lay]
+        report["export_s"][lay], report["export_peak_rss_gb"][lay] = seconds, peak
+        report["ptd_gb"] = (Path(path) / "model.ptd").stat().st_size / 1e9
         report["layouts"][lay] = {}
-        bench_layout(exported[lay][0], lay, args, cfg, weight_bytes, bw, report["layouts"][lay], save)
+        bench_layout(path, lay, args, cfg, weight_bytes, bw, report["layouts"][lay], save)
+        res = report["layouts"][lay]
+        print(f"  [{lay}] load {res['load_s']:.1f}s; host RSS {res['rss_before_load_gb']:.2f} -> "
+              f"{res['rss_after_load_gb']:.2f} GB (peak {res['peak_rss_gb']:.2f} GB); device "
+              f"{res['device_gb'] or 0:.2f} GB", flush=True)
+        if one_at_a_time:
+            gc.collect()
+            shutil.rmtree(path, ignore_errors=True)
     report["total_s"] = time.perf_counter() - t0
     print()
     print(tables(report))

@@ -4,8 +4,12 @@
 # JSON, Markdown tables) go to ${OUT:-gpu-results}. Works from a source checkout without installing: the mg.*
 # namespace is mapped with links.
 #
-#   scripts/gpu_checks.sh                      # everything: tests attention decode eval
+#   scripts/gpu_checks.sh                      # everything: tests attention decode eval real
 #   scripts/gpu_checks.sh tests eval           # only those steps, in that order
+#
+# `real` exports the first 16 layers of MG-30B at full width (~21 GB of weights, written under
+# ${MG_BENCH_WORKDIR:-a temporary folder}, one layout at a time) and benchmarks it: it needs ~25 GB of
+# free disk and ~5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
@@ -17,7 +21,7 @@ for pkg in export runtime kernels manifests; do ln -s "$ROOT/$pkg" "$NS/mg/$pkg"
 export PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention decode eval)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention decode eval real)
 status=0
 for step in "${steps[@]}"; do
     case "$step" in
@@ -26,7 +30,10 @@ for step in "${steps[@]}"; do
         decode) python3 scripts/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.md" ;;
         eval) python3 scripts/eval_dflash.py --device cuda --out "$OUT/eval_dflash_cuda.json" 2>&1 \
                   | grep -v "Warning\|return cls" | tee "$OUT/eval_dflash_cuda.md" ;;
-        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention decode eval" >&2; exit 2 ;;
+        real) python3 scripts/bench_decode.py --preset mg-30b --n-layers 16 --batches 1,8,32 --dflash-batches 1,8 \
+                  --max-new 32 --steps 10 ${MG_BENCH_WORKDIR:+--workdir "$MG_BENCH_WORKDIR"} \
+                  --out "$OUT/bench_real.json" 2>&1 | tee "$OUT/bench_real.md" ;;
+        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention decode eval real" >&2; exit 2 ;;
     esac
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done

@@ -66,8 +66,14 @@ def test_dflash_is_lossless_and_accepts_what_the_training_report_predicts(embedd
         assert adaptive.run([req])[0].tokens == want, f"{rel}: adaptive DFlash output differs"
     tt = _train_tiny()
     settings = tt.Settings(out="unused", eval_new_tokens=MAX_NEW)
+    from mg.export.draft_model import DFlashDraft
+    from mg.export.model import MuseGlimmer
+    from mg.export.weights import materialize
+
+    target_model = materialize(target.weights, MuseGlimmer(target.cfg)).float().eval()
+    draft_model = materialize(draft.weights, DFlashDraft(draft.cfg, target.cfg)).float().eval()
     with torch.no_grad():
-        sim = tt.eval_prompts(target.model.float().eval(), draft.model.float().eval(), prompts, settings)
+        sim = tt.eval_prompts(target_model, draft_model, prompts, settings)
     n = len(sim["accepted_hist"])
     assert hist[:n] == sim["accepted_hist"] and not any(hist[n:])
     assert sim["acceptance_length_mean"] > 1.5  # a trained pair: drafts are accepted, not noise

@@ -210,9 +210,14 @@ def test_checkpoint_export_copies_tokenizer_and_keeps_weights(tmp_path, tiny_che
                          "--max-write", "8", "-o", str(out)])
     assert code == 0, output
     m = read_manifest(out / C.MANIFEST_FILE)
-    assert {f.name for f in m.files} == {C.PROGRAM_FILE, C.TOKENIZER_FILE}
+    assert {f.name for f in m.files} == {C.PROGRAM_FILE, C.WEIGHTS_FILE, C.TOKENIZER_FILE}
     assert (out / C.TOKENIZER_FILE).read_text() == '{"version": "1.0"}'
     assert m.model.name == "ckpt" and m.kv.max_seqs == 2
+    from mg.runtime.data_file import DataFile
+
+    data = DataFile(out / C.WEIGHTS_FILE)
+    for name, p in tiny_model.named_parameters():
+        assert torch.equal(data.tensor(f"model.{name}", torch.device("cpu")), p.detach()), name
 
 
 def test_random_drafter_with_the_trained_default_target_is_refused(tmp_path):
@@ -221,17 +226,14 @@ def test_random_drafter_with_the_trained_default_target_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_model_too_large_for_host_memory_is_refused_up_front(tmp_path):
+def test_a_model_too_large_for_the_disk_is_refused_before_any_lowering(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    import mg.export.artifact as A
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(A.shutil, "disk_usage", lambda path: usage(1 << 40, 0, 10 << 30))
     code, output = _run(["--preset", "mg-30b", "-o", str(tmp_path / "out")])
-    assert code == 2 and "Traceback" not in output
-    assert "GB of host memory to export" in output and "GB is available" in output
-    assert "torch.export" not in output and not (tmp_path / "out").exists()  # refused before any lowering
-
-
-def test_memory_check_names_what_is_needed_and_available():
-    from mg.export.artifact import ExportError, check_memory
-    from mg.export.config import PRESETS
-
-    check_memory(PRESETS["tiny"], "--preset tiny", available=1 << 30)
-    with pytest.raises(ExportError, match=r"need about 0\.\d GB .* 0\.0 GB is available"):
-        check_memory(PRESETS["tiny"], "--preset tiny", available=1000)
+    assert code == 2 and "Traceback" not in output, output
+    assert "the artifact needs 55." in output and "the disk holding it has 10.74 GB free" in output
+    assert "torch.export" not in output and not (tmp_path / "out").exists()

@@ -11,7 +11,8 @@ from torch.export import Dim
 
 import mg.kernels  # noqa: F401  (registers the mg:: op schemas)
 from mg.export.config import PRESETS
-from mg.export.lower import ProgramParts, to_program
+from mg.export.lower import ProgramParts, export_lifted, lifted_tensors, to_program
+from mg.export.ptd import PtdTensor, write_ptd
 from mg.export.model import MuseGlimmer, init_random
 from mg.export.reference import ReferenceKV
 from mg.runtime.program import Program, ProgramError
@@ -77,12 +78,20 @@ def _piece_inputs():
 
 @pytest.fixture(scope="module")
 def pieces_pte(tmp_path_factory) -> Path:
-    """The MG model's pieces, lowered exactly like the artifact (same `to_program`), without mg:: ops."""
-    with torch.no_grad():
-        methods = {name: torch.export.export(m.eval(), ex, dynamic_shapes=dyn, strict=False)
-                   for name, (m, ex, dyn) in _pieces().items()}
+    """The MG model's pieces, lowered exactly like the artifact (same `export_lifted` + `to_program`, weights in
+    a .ptd beside it), without mg:: ops."""
+    pieces = _pieces()
+    methods = {name: export_lifted(m, ex, dyn) for name, (m, ex, dyn) in pieces.items()}
+    values: dict[str, torch.Tensor] = {}
+    for m, _, _ in pieces.values():
+        for key, t in lifted_tensors(m).items():
+            assert values.setdefault(key, t) is t, f"two tensors under one key {key!r}"
+    program, external = to_program(ProgramParts(methods, {}))
     path = tmp_path_factory.mktemp("pieces") / "pieces.pte"
-    path.write_bytes(to_program(ProgramParts(methods, {})))
+    path.write_bytes(program)
+    write_ptd(path.with_suffix(".ptd"), [
+        PtdTensor(k, d, s, lambda k=k, d=d: iter([values[k].detach().to(d).contiguous().reshape(-1)]))
+        for k, (d, s) in external.items()])
     return path
 
 
@@ -95,15 +104,15 @@ def _packed_prompt():
 
 
 def _forward_ops(mg_pte) -> set[str]:
-    return set(Program.load(mg_pte, custom_ops={ATTEND: None}).info("forward").operators)
+    return set(Program.load(mg_pte, data_path=mg_pte.with_suffix(".ptd"), custom_ops={ATTEND: None}).info("forward").operators)
 
 
 def test_runner_matches_executorch_runtime_on_each_op(pieces_pte, mg_pte):
     from executorch.runtime import Runtime
 
-    theirs = Runtime.get().load_program(pieces_pte)
+    theirs = Runtime.get().load_program(pieces_pte, data_path=str(pieces_pte.with_suffix(".ptd")))
     for views_as_copies in (False, True):
-        ours = Program.load(pieces_pte, views_as_copies=views_as_copies)
+        ours = Program.load(pieces_pte, views_as_copies=views_as_copies, data_path=pieces_pte.with_suffix(".ptd"))
         for name, inputs in _piece_inputs().items():
             expected = theirs.load_method(name).execute(inputs)
             got = ours.run(name, inputs)
@@ -150,7 +159,7 @@ def misc_pte(tmp_path_factory) -> Path:
                                         dynamic_shapes=({0: n}, {0: n}), strict=False),
         }
     path = tmp_path_factory.mktemp("misc") / "misc.pte"
-    path.write_bytes(to_program(ProgramParts(methods, {})))
+    path.write_bytes(to_program(ProgramParts(methods, {}))[0])  # plain exports: weights inside the program
     return path
 
 
@@ -181,7 +190,7 @@ def test_ops_beyond_the_mg_program_match_executorch_runtime(misc_pte):
 @torch.no_grad()
 def test_exported_forward_matches_eager_model(mg_pte):
     model = init_random(MuseGlimmer(CFG), 0).eval()
-    prog = Program.load(mg_pte, custom_ops={ATTEND: ReferenceKV(CFG)})
+    prog = Program.load(mg_pte, data_path=mg_pte.with_suffix(".ptd"), custom_ops={ATTEND: ReferenceKV(CFG)})
     eager_kv = ReferenceKV(CFG)
     prompt = _packed_prompt()
     got = prog.run("forward", list(prompt))[0]
@@ -195,7 +204,7 @@ def test_exported_forward_matches_eager_model(mg_pte):
 
 
 def test_constant_methods_read_as_ints_and_lists(mg_pte):
-    prog = Program.load(mg_pte, custom_ops={ATTEND: None})
+    prog = Program.load(mg_pte, data_path=mg_pte.with_suffix(".ptd"), custom_ops={ATTEND: None})
     assert prog.constant("get_vocab_size") == CFG.vocab_size
     assert prog.constant("get_max_write") == 24
     assert prog.constant("get_windows") == [CFG.window(i) for i in range(CFG.n_layers)]
@@ -207,7 +216,7 @@ def test_views_match_copies_and_folded_matches_unfolded(mg_pte):
     results, folded = {}, {}
     for views_as_copies in (False, True):
         for fold in (False, True):
-            prog = Program.load(mg_pte, custom_ops={ATTEND: ReferenceKV(CFG)}, views_as_copies=views_as_copies,
+            prog = Program.load(mg_pte, data_path=mg_pte.with_suffix(".ptd"), custom_ops={ATTEND: ReferenceKV(CFG)}, views_as_copies=views_as_copies,
                                 fold_constants=fold)
             results[views_as_copies, fold] = prog.run("forward", prompt)[0]
             folded[views_as_copies, fold] = prog.info("forward").n_folded
@@ -230,13 +239,13 @@ def test_unsupported_operator_is_refused_at_load_with_its_name(mg_pte, tmp_path)
     bad.write_bytes(bytes(serialize_pte_binary(pte)))
     with pytest.raises(ProgramError, match=r"method 'forward' uses operator 'aten::foo.out' which this runner "
                                            r"does not support"):
-        Program.load(bad, custom_ops={ATTEND: None})
+        Program.load(bad, custom_ops={ATTEND: None}, data_path=mg_pte.with_suffix(".ptd"))
 
 
 def test_undeclared_or_unbound_custom_op_is_refused(mg_pte):
     with pytest.raises(ProgramError, match="'mg::update_and_attend.out'"):
-        Program.load(mg_pte)
-    prog = Program.load(mg_pte, custom_ops={ATTEND: None})
+        Program.load(mg_pte, data_path=mg_pte.with_suffix(".ptd"))
+    prog = Program.load(mg_pte, data_path=mg_pte.with_suffix(".ptd"), custom_ops={ATTEND: None})
     with pytest.raises(ProgramError, match="not bound"):
         prog.run("forward", list(_packed_prompt()))
 
