@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from mg.kernels.executorch_env import ensure_flatc
 
 SEGMENT_ALIGNMENT = 128  # FlatTensorConfig's default: segments can be memory-mapped in place
 _HEADER_ALIGNMENT = 16
+_QUEUED = 2  # chunks waiting for the writer thread (each at most CHUNK_BYTES)
 Progress = Callable[[str], None]
 
 
@@ -92,7 +95,9 @@ def file_size(tensors: list[PtdTensor]) -> int:
 
 
 def write_ptd(path: Path, tensors: list[PtdTensor], progress: Optional[Progress] = None) -> tuple[int, str]:
-    """Write `tensors` to `path` as a FlatTensor file; -> (size in bytes, sha256 hex). Keys must be unique."""
+    """Write `tensors` to `path` as a FlatTensor file; -> (size in bytes, sha256 hex). Keys must be unique.
+    Chunks are produced (read, converted) on this thread while a writer thread hashes and writes the previous
+    ones; at most `_QUEUED` chunks wait between them."""
     keys = [t.key for t in tensors]
     if len(set(keys)) != len(keys):
         raise ValueError(f"duplicate key in model.ptd: {sorted(k for k in keys if keys.count(k) > 1)[0]!r}")
@@ -100,30 +105,55 @@ def write_ptd(path: Path, tensors: list[PtdTensor], progress: Optional[Progress]
     total = len(head) + (offsets[-1] + tensors[-1].nbytes if tensors else 0)
     digest = hashlib.sha256()
     say = progress or (lambda msg: None)
+    pending: queue.Queue = queue.Queue(maxsize=_QUEUED)
+    failure: list[BaseException] = []
+
+    def writer(f) -> None:
+        while True:
+            data = pending.get()
+            if data is None:
+                return
+            if not failure:
+                try:
+                    f.write(data)
+                    digest.update(data)
+                except BaseException as e:  # reported by the producer
+                    failure.append(e)
+
     t0 = last = time.perf_counter()
     written = 0
     with open(path, "wb") as f:
-        def put(data) -> None:
-            nonlocal written
-            f.write(data)
-            digest.update(data)
-            written += len(data)
+        thread = threading.Thread(target=writer, args=(f,), daemon=True)
+        thread.start()
+        try:
+            def put(data) -> None:
+                nonlocal written
+                if failure:
+                    raise failure[0]
+                pending.put(data)
+                written += len(data)
 
-        put(head)
-        for t, offset in zip(tensors, offsets):
-            put(b"\0" * (len(head) + offset - written))
-            start = written
-            for part in t.chunks():
-                if part.dtype != t.dtype or not part.is_contiguous():
-                    raise ValueError(f"model.ptd: tensor {t.key!r} came as {part.dtype}; expected {t.dtype}")
-                put(memoryview(part.view(torch.uint8).numpy()) if part.numel() else b"")
-                now = time.perf_counter()
-                if now - last >= 5.0:
-                    last = now
-                    say(f"{path.name}: {written / 1e9:.1f} / {total / 1e9:.1f} GB "
-                        f"({written / 1e9 / (now - t0):.2f} GB/s)")
-            if written - start != t.nbytes:
-                raise ValueError(f"model.ptd: tensor {t.key!r} came as {written - start} bytes; expected {t.nbytes}")
+            put(head)
+            for t, offset in zip(tensors, offsets):
+                put(b"\0" * (len(head) + offset - written))
+                start = written
+                for part in t.chunks():
+                    if part.dtype != t.dtype or not part.is_contiguous():
+                        raise ValueError(f"model.ptd: tensor {t.key!r} came as {part.dtype}; expected {t.dtype}")
+                    put(memoryview(part.view(torch.uint8).numpy()) if part.numel() else b"")
+                    now = time.perf_counter()
+                    if now - last >= 5.0:
+                        last = now
+                        say(f"{path.name}: {written / 1e9:.1f} / {total / 1e9:.1f} GB "
+                            f"({written / 1e9 / (now - t0):.2f} GB/s)")
+                if written - start != t.nbytes:
+                    raise ValueError(f"model.ptd: tensor {t.key!r} came as {written - start} bytes; expected "
+                                     f"{t.nbytes}")
+        finally:
+            pending.put(None)
+            thread.join()
+        if failure:
+            raise failure[0]
         f.flush()
         os.fsync(f.fileno())
     return written, digest.hexdigest()

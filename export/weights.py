@@ -5,7 +5,7 @@ the weights stream from a source straight into `model.ptd`. Sources:
 
 - `SafetensorsWeights`: a checkpoint directory's `model.safetensors`, or the
   Hugging Face sharded form (`model-0000k-of-0000n.safetensors` listed by
-  `model.safetensors.index.json`), memory-mapped; headers are read and checked
+  `model.safetensors.index.json`), read chunk by chunk at known offsets; headers are read and checked
   up front (index and shards must agree, every tensor present, shaped and
   floating point) before anything is written.
 - `RandomWeights`: deterministic random weights for presets, each tensor drawn
@@ -21,10 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import mmap
+import os
 import struct
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Protocol
+from typing import Iterator, Mapping, Protocol
 
 import torch
 
@@ -84,7 +84,7 @@ def _check_names(source: str, found: Mapping[str, tuple[int, ...]], expected: Ma
 
 
 class _Shard:
-    """One safetensors file: its header, and its bytes memory-mapped on first read."""
+    """One safetensors file: its header, and reads of any tensor's element range."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -118,25 +118,25 @@ class _Shard:
                                    f"{list(shape)} {dtype} or lie beyond the file's {self.size} bytes "
                                    f"(truncated file?)")
             self.tensors[name] = (dtype, shape, self.base + a, self.base + b)
-        self._map: Optional[mmap.mmap] = None
+        self._file = None
 
-    def view(self, name: str) -> torch.Tensor:
-        """The stored tensor, flat, zero-copy over the mapping (read-only: never written)."""
-        if self._map is None:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        dtype, shape, a, b = self.tensors[name]
-        if a == b:
-            return torch.empty(0, dtype=dtype)
-        import warnings
-        with warnings.catch_warnings():  # a read-only buffer: torch warns that writes would fail
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(self._map, dtype=dtype, count=(b - a) // dtype.itemsize, offset=a)
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the stored tensor (flat), read into a fresh buffer. Plain reads, not a
+        memory map: pages of a map stay in the process's RSS, and an export must stay bounded whatever the
+        checkpoint's size."""
+        if self._file is None:
+            self._file = open(self.path, "rb")
+        dtype, _, a, _ = self.tensors[name]
+        n = (stop - start) * dtype.itemsize
+        buf = bytearray(n)
+        if n and os.preadv(self._file.fileno(), [buf], a + start * dtype.itemsize) != n:
+            raise WeightsError(f"{self.path}: short read of tensor '{name}' (the file changed while exporting?)")
+        return torch.frombuffer(buf, dtype=dtype) if n else torch.empty(0, dtype=dtype)
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class SafetensorsWeights:
@@ -199,10 +199,11 @@ class SafetensorsWeights:
                 raise WeightsError(f"{self.where[name]}: tensor '{name}' has dtype {dtype}; expected a float dtype")
 
     def chunks(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Iterator[torch.Tensor]:
-        stored = self._shard_of[name].view(name)
+        shard = self._shard_of[name]
+        stored = shard.tensors[name][0]
         width = math.prod(shape[1:]) if len(shape) > 1 else 1
-        for a, b in _row_ranges(shape, max(dtype.itemsize, stored.dtype.itemsize)):
-            part = stored[a * width:b * width]
+        for a, b in _row_ranges(shape, max(dtype.itemsize, stored.itemsize)):
+            part = shard.read(name, a * width, b * width)
             yield part if part.dtype == dtype else part.to(dtype)
 
     def close(self) -> None:

@@ -78,7 +78,7 @@ def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, m
     opts = ExportOptions(output_dir=Path(out), layout=layout, max_context=max_context, max_write=max_write, force=True,
                          **sizes)
     export_artifact(opts, target, lambda msg: print(f"  [{layout}] {msg}", flush=True), draft)
-    return out, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    return out, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def rss_gb() -> float:
@@ -186,7 +186,7 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
     t0 = time.perf_counter()
     art = load_artifact(Path(path), device=dev)
     res.update(load_s=time.perf_counter() - t0, rss_before_load_gb=rss0, rss_after_load_gb=rss_gb(),
-               peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+               peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
                device_gb=torch.cuda.memory_allocated() / 1e9 if dev == "cuda" else None,
                decode={}, dflash={}, e2e={},
                steps_per_call={m: art.program.info(m).n_steps for m in art.program.method_names

@@ -4,6 +4,8 @@ Writes a random checkpoint at a preset's full width (default: the first 4 layers
 in Hugging Face shards + `model.safetensors.index.json`, one tensor in memory at a time), then runs
 `mg-export --checkpoint` on it in a child process and reads the child's peak RSS from the kernel
 (`getrusage(RUSAGE_CHILDREN)`, the number `/usr/bin/time -v` prints as "Maximum resident set size").
+Then a second child loads the artifact on CPU and generates 2 tokens, reporting its RSS after load and
+after generating against the weights' size (the weights are used in place from the memory map).
 Prints a Markdown table; `--out` writes JSON. Needs about twice the checkpoint size of free disk.
 
     python scripts/bench_export.py --workdir /var/tmp/mg-bench --out docs/bench_export_cpu.json
@@ -65,6 +67,29 @@ def write_checkpoint(directory: Path, preset: str, n_layers: int, shard_bytes: i
     return total
 
 
+LOAD_CHECK = """
+import json, resource, sys, time
+from pathlib import Path
+t0 = time.perf_counter()
+from mg.runtime.artifact import load_artifact
+from mg.runtime.config import RunConfig
+from mg.runtime.engine import Engine
+from mg.runtime.scheduler import Request
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e9
+
+art = load_artifact(Path(sys.argv[1]))
+loaded, rss_loaded = time.perf_counter() - t0, rss()
+out = Engine(art, RunConfig(device="cpu", dflash=False)).run([Request("r", (1, 70, 80, 90, 100), 2)])[0]
+print(json.dumps({"load_s": loaded, "rss_after_load_gb": rss_loaded, "rss_after_generate_gb": rss(),
+                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+                  "generate_s": time.perf_counter() - t0 - loaded, "tokens": list(out.tokens)}))
+"""
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="mg-30b")
@@ -90,6 +115,10 @@ def main() -> None:
         report = {"preset": args.preset, "n_layers": args.n_layers, "checkpoint_gb": weights / 1e9,
                   "shards": len(list(ckpt.glob("*.safetensors"))), "export_s": seconds, "ptd_gb": ptd / 1e9,
                   "gb_per_s": ptd / 1e9 / seconds, "peak_rss_gb": peak / 1e9, "cpus": os.cpu_count()}
+        shutil.rmtree(ckpt, ignore_errors=True)  # the page cache holds the artifact, not the checkpoint
+        run = subprocess.run([sys.executable, "-c", LOAD_CHECK, str(art)], check=True, capture_output=True,
+                             text=True)
+        report["cpu_load"] = json.loads(run.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
         shutil.rmtree(art, ignore_errors=True)
@@ -97,6 +126,10 @@ def main() -> None:
     print(f"| {args.preset} first {args.n_layers} layers, {report['checkpoint_gb']:.2f} GB | {report['shards']} | "
           f"{seconds:.1f} | {report['ptd_gb']:.2f} | {report['gb_per_s']:.2f} | {report['peak_rss_gb']:.2f} | "
           f"{report['cpus']} |")
+    load = report["cpu_load"]
+    print(f"\nCPU load of the artifact: {load['load_s']:.1f}s; RSS {load['rss_after_load_gb']:.2f} GB after load, "
+          f"{load['rss_after_generate_gb']:.2f} GB after generating 2 tokens (peak {load['peak_rss_gb']:.2f} GB) "
+          f"for {report['ptd_gb']:.2f} GB of weights")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
