@@ -27,7 +27,6 @@ import dataclasses
 import gc
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -78,14 +77,15 @@ def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, m
     opts = ExportOptions(output_dir=Path(out), layout=layout, max_context=max_context, max_write=max_write, force=True,
                          **sizes)
     export_artifact(opts, target, lambda msg: print(f"  [{layout}] {msg}", flush=True), draft)
-    return out, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    return out, time.perf_counter() - t0, rss_gb("VmHWM")
 
 
-def rss_gb() -> float:
-    """Resident set size of this process now (Linux), in GB."""
+def rss_gb(field: str = "VmRSS") -> float:
+    """Resident set size of this process now (VmRSS), or its peak since exec (VmHWM; unlike ru_maxrss it does
+    not start from the parent's pages at fork), in GB (Linux)."""
     with open("/proc/self/status", encoding="ascii") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024 / 1e9
     return float("nan")
 
@@ -186,7 +186,7 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
     t0 = time.perf_counter()
     art = load_artifact(Path(path), device=dev)
     res.update(load_s=time.perf_counter() - t0, rss_before_load_gb=rss0, rss_after_load_gb=rss_gb(),
-               peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+               peak_rss_gb=rss_gb("VmHWM"),
                device_gb=torch.cuda.memory_allocated() / 1e9 if dev == "cuda" else None,
                decode={}, dflash={}, e2e={},
                steps_per_call={m: art.program.info(m).n_steps for m in art.program.method_names

@@ -2,8 +2,9 @@
 
 Writes a random checkpoint at a preset's full width (default: the first 4 layers of mg-30b, ~9 GB of bf16
 in Hugging Face shards + `model.safetensors.index.json`, one tensor in memory at a time), then runs
-`mg-export --checkpoint` on it in a child process and reads the child's peak RSS from the kernel
-(`getrusage(RUSAGE_CHILDREN)`, the number `/usr/bin/time -v` prints as "Maximum resident set size").
+`mg-export --checkpoint` on it under `/usr/bin/time -v` and reports its "Maximum resident set size".
+The checkpoint is written by a separate process: a child forked from a parent that had held shards would
+start its peak RSS count with the parent's pages (the kernel carries the high-water mark across exec).
 Then a second child loads the artifact on CPU and generates 2 tokens, reporting its RSS after load and
 after generating against the weights' size (the weights are used in place from the memory map).
 Prints a Markdown table; `--out` writes JSON. Needs about twice the checkpoint size of free disk.
@@ -18,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -68,7 +71,7 @@ def write_checkpoint(directory: Path, preset: str, n_layers: int, shard_bytes: i
 
 
 LOAD_CHECK = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
 from mg.runtime.artifact import load_artifact
@@ -76,16 +79,16 @@ from mg.runtime.config import RunConfig
 from mg.runtime.engine import Engine
 from mg.runtime.scheduler import Request
 
-def rss():
+def rss(field="VmRSS"):  # VmHWM: the peak since exec
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024 / 1e9
 
 art = load_artifact(Path(sys.argv[1]))
 loaded, rss_loaded = time.perf_counter() - t0, rss()
 out = Engine(art, RunConfig(device="cpu", dflash=False)).run([Request("r", (1, 70, 80, 90, 100), 2)])[0]
 print(json.dumps({"load_s": loaded, "rss_after_load_gb": rss_loaded, "rss_after_generate_gb": rss(),
-                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+                  "peak_rss_gb": rss("VmHWM"),
                   "generate_s": time.perf_counter() - t0 - loaded, "tokens": list(out.tokens)}))
 """
 
@@ -104,13 +107,15 @@ def main() -> None:
     shutil.rmtree(art, ignore_errors=True)
     try:
         t0 = time.perf_counter()
-        weights = write_checkpoint(ckpt, args.preset, args.n_layers, int(args.shard_gb * 1e9))
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            weights = pool.submit(write_checkpoint, ckpt, args.preset, args.n_layers, int(args.shard_gb * 1e9)).result()
         print(f"checkpoint: {weights / 1e9:.2f} GB in {time.perf_counter() - t0:.0f}s", flush=True)
-        cmd = [sys.executable, "-m", "mg.export.cli", "--checkpoint", str(ckpt), "-o", str(art)]
+        cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "mg.export.cli", "--checkpoint", str(ckpt), "-o", str(art)]
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True)
+        run = subprocess.run(cmd, check=True, stderr=subprocess.PIPE, text=True)
         seconds = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # kilobytes on Linux
+        sys.stderr.write(run.stderr)
+        peak = 1024 * int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr).group(1))
         ptd = (art / "model.ptd").stat().st_size
         report = {"preset": args.preset, "n_layers": args.n_layers, "checkpoint_gb": weights / 1e9,
                   "shards": len(list(ckpt.glob("*.safetensors"))), "export_s": seconds, "ptd_gb": ptd / 1e9,
