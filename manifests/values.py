@@ -70,10 +70,14 @@ def file_entry(path: Path) -> FileEntry:
 # a later load of the same unchanged file trusts the stamp. A rewritten or replaced file gets a new key.
 
 
+def cache_root() -> Path:
+    """The tools' cache folder: $MG_CACHE_DIR, else $XDG_CACHE_HOME/mg-toolchain, else ~/.cache/mg-toolchain."""
+    return Path(os.environ.get("MG_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mg-toolchain"))
+
+
 def stamp_dir() -> Path:
-    root = os.environ.get("MG_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mg-toolchain")
-    return Path(root) / "verified"
+    return cache_root() / "verified"
 
 
 def _stamp_path(path: Path) -> Optional[Path]:

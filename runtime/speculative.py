@@ -22,8 +22,9 @@ with a_l the online estimate of P(draft l accepted | drafts < l accepted);
 the round's time is the target `forward` at its row count plus, when anyone
 drafts, `draft_block` at the drafting batch and `draft_append` of the rows
 waiting. Those times come from the model runner's per-bucket measurements
-on blank inputs (taken once per program, device and mode, when the engine
-starts), moved towards every timed call where calls are synchronous (CPU),
+on blank inputs (taken once per program, device and mode, when the first
+engine starts, and kept in the tools' cache folder for later processes: the
+same program on the same device and torch skips the ~1 s of measuring), moved towards every timed call where calls are synchronous (CPU),
 plus a residual for what no table holds (host work per step), kept apart for
 steps with and without drafts. Draft rows go one at a time, highest expected gain
 first (`prod_{l<=j} a_l` decreases in j, so each sequence's rows go in
@@ -43,13 +44,18 @@ section 6.5.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Protocol
 
 import torch
 
 from mg.manifests import constants as C
+from mg.manifests.values import cache_root
 
 from .config import SPECULATION_FIXED, RunConfig
 from .model_runner import ModelRunner
@@ -260,6 +266,36 @@ class CostModel:
 
 
 _COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
+
+
+def _tables_path(key: tuple, device: torch.device) -> Path:
+    """Where measured tables persist between processes: keyed by the program, the run settings, the device
+    (CUDA: its name; CPU: torch's thread count) and the torch version."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}"
+    digest = hashlib.sha256(json.dumps([*map(str, key), where, torch.__version__]).encode()).hexdigest()[:32]
+    return cache_root() / "cost-tables" / f"{digest}.json"
+
+
+def _load_tables(key: tuple, device: torch.device) -> Optional[tuple]:
+    """Tables a previous process measured for the same key, or None (missing or unreadable: measured again)."""
+    try:
+        data = json.loads(_tables_path(key, device).read_text(encoding="ascii"))
+        return tuple({int(size): float(t) for size, t in table.items()} for table in data)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _save_tables(key: tuple, device: torch.device, tables: tuple) -> tuple:
+    """Keep `tables` for later processes (best effort: an unwritable cache is skipped); returns them."""
+    path = _tables_path(key, device)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(tables), encoding="ascii")
+        tmp.replace(path)
+    except OSError:
+        pass
+    return tables
 _TABLE_OF = {C.METHOD_FORWARD: "forward", C.METHOD_DRAFT_BLOCK: "draft", C.METHOD_DRAFT_APPEND: "append"}
 
 
@@ -380,8 +416,8 @@ class Speculator:
         key = (r.artifact.manifest.files[0].sha256 if r.artifact.manifest.files else str(r.artifact.directory),
                str(r.device), cfg.graphs, cfg.padded, getattr(r.cache, "use_triton", None))
         if key not in _COST_TABLES:
-            _COST_TABLES[key] = (r.measure(C.METHOD_FORWARD), r.measure(C.METHOD_DRAFT_BLOCK),
-                                 r.measure(C.METHOD_DRAFT_APPEND))
+            _COST_TABLES[key] = _load_tables(key, r.device) or _save_tables(key, r.device, (
+                r.measure(C.METHOD_FORWARD), r.measure(C.METHOD_DRAFT_BLOCK), r.measure(C.METHOD_DRAFT_APPEND)))
         return CostModel(*_COST_TABLES[key], padded=cfg.padded)
 
     def step_done(self, measured_s: float, rows: int) -> None:

@@ -56,3 +56,17 @@ def tiny_dflash_cell_artifact(tmp_path_factory):
     """Tiny target + tiny drafter (block 8), cell layout, 256 cells."""
     return _export(tmp_path_factory.mktemp("art") / "dcell", layout="cell", max_cells=256, max_context=96,
                    max_write=24, draft="tiny")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Tests never read or leave verified stamps or cost tables in the user's cache folder."""
+    import os
+
+    old = os.environ.get("MG_CACHE_DIR")
+    os.environ["MG_CACHE_DIR"] = str(tmp_path_factory.mktemp("mg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("MG_CACHE_DIR", None)
+    else:
+        os.environ["MG_CACHE_DIR"] = old

@@ -398,3 +398,28 @@ def test_mg_run_reports_dflash_statistics(tmp_path, tiny_dflash_cell_artifact, p
     assert sum(data["chosen_k_hist"]) > 0 and len(data["chosen_k_hist"]) <= 8
     if policy == "fixed":
         assert data["rounds"] > 0 and data["mean_acceptance_length"] >= 1.0
+
+
+def test_cost_tables_are_kept_for_the_next_process_and_remeasured_when_unreadable(tiny_dflash_seq_artifact,
+                                                                                    tmp_path, monkeypatch):
+    import mg.runtime.speculative as S
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.engine import Engine
+    from mg.runtime.model_runner import ModelRunner
+
+    monkeypatch.setenv("MG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(S, "_COST_TABLES", {})  # as in a new process
+    measured = []
+    real = ModelRunner.measure
+    monkeypatch.setattr(ModelRunner, "measure", lambda self, m, *a: measured.append(m) or real(self, m, *a))
+    art = load_artifact(tiny_dflash_seq_artifact)
+    first = Engine(art).spec.costs
+    (saved,) = (tmp_path / "cost-tables").iterdir()
+    assert len(measured) == 3
+    S._COST_TABLES.clear()
+    second = Engine(art).spec.costs
+    assert len(measured) == 3 and second.tables == first.tables
+    saved.write_text("{not json")
+    S._COST_TABLES.clear()
+    Engine(art)
+    assert len(measured) == 6
