@@ -52,6 +52,56 @@ def _check_output_path(flag: str, path: Optional[Path]) -> None:
         _die(f"{flag} {path} is inside the artifact directory {parent}; write results elsewhere")
 
 
+_ENGINE_OPTIONS = [
+    click.option("--device", type=str, default="cpu", show_default=True, metavar="cpu|cuda"),
+    click.option("--threads", type=int, default=None,
+                 help="CPU threads for torch [default: torch's, one per core]. When other busy processes share the "
+                      "CPU, fewer threads (even 1) avoid a large slowdown."),
+    click.option("--kv-layout", type=str, default=None, metavar="sequence|cell",
+                 help="Must match the artifact (fixed at export)."),
+    click.option("--no-dflash", is_flag=True, help="Target-only decoding even when the artifact has a drafter."),
+    click.option("--draft-block", type=int, default=None,
+                 help="The most rows verified per DFlash round: the pending token + drafts (2 .. the exported block "
+                      "size) [default: the exported one]."),
+    click.option("--speculation", type=click.Choice(SPECULATION_POLICIES), default=SPECULATION_ADAPTIVE,
+                 show_default=True,
+                 help="adaptive: each round, each sequence drafts only as many tokens as pay for themselves (from "
+                      "measured step costs and its acceptance so far; 0 = a plain decode step); fixed: always "
+                      "draft-block - 1 drafts."),
+    click.option("--no-cuda-graphs", is_flag=True,
+                 help="With --device cuda: run every step eagerly instead of replaying CUDA graphs (for comparison)."),
+    click.option("--no-verify", is_flag=True,
+                 help="Skip hashing model.ptd against manifest.json (sizes, keys and shapes are still checked). "
+                      "Without it the weights are hashed unless this unchanged file was hashed before.")
+]
+
+
+def engine_options(command):
+    """The flags of how an engine runs, shared by mg-run and mg-serve (`engine_setup` checks them)."""
+    for option in reversed(_ENGINE_OPTIONS):
+        command = option(command)
+    return command
+
+
+def engine_setup(device: str, threads: Optional[int], die=None) -> None:
+    """Check the device and thread flags (one line and exit 2 through `die`), quiet the dependencies, apply
+    --threads. Shared by mg-run and mg-serve."""
+    die = die or _die
+    if device not in ("cpu", "cuda"):
+        die(f"--device is {device!r}; allowed: cpu | cuda")
+    if threads is not None and threads < 1:
+        die(f"--threads is {threads}; allowed: an integer >= 1")
+    from mg.kernels.quiet import quiet_dependencies
+
+    quiet_dependencies()
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if device == "cuda" and not torch.cuda.is_available():
+        die("--device cuda was asked for, but torch sees no CUDA device")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mg-toolchain", prog_name="mg-run")
 @click.argument("artifact", type=click.Path(path_type=Path))
@@ -67,26 +117,7 @@ def _check_output_path(flag: str, path: Optional[Path]) -> None:
 @click.option("--seed", type=int, default=None,
               help="Seed of every sampled request that sets none [default: a fresh one per request, reported in "
                    "its output line].")
-@click.option("--device", type=str, default="cpu", show_default=True, metavar="cpu|cuda")
-@click.option("--threads", type=int, default=None,
-              help="CPU threads for torch [default: torch's, one per core]. When other busy processes share the "
-                   "CPU, fewer threads (even 1) avoid a large slowdown.")
-@click.option("--kv-layout", type=str, default=None, metavar="sequence|cell",
-              help="Must match the artifact (fixed at export).")
-@click.option("--no-dflash", is_flag=True, help="Target-only decoding even when the artifact has a drafter.")
-@click.option("--draft-block", type=int, default=None,
-              help="The most rows verified per DFlash round: the pending token + drafts (2 .. the exported block "
-                   "size) [default: the exported one].")
-@click.option("--speculation", type=click.Choice(SPECULATION_POLICIES), default=SPECULATION_ADAPTIVE,
-              show_default=True,
-              help="adaptive: each round, each sequence drafts only as many tokens as pay for themselves (from "
-                   "measured step costs and its acceptance so far; 0 = a plain decode step); fixed: always "
-                   "draft-block - 1 drafts.")
-@click.option("--no-cuda-graphs", is_flag=True,
-              help="With --device cuda: run every step eagerly instead of replaying CUDA graphs (for comparison).")
-@click.option("--no-verify", is_flag=True,
-              help="Skip hashing model.ptd against manifest.json (sizes, keys and shapes are still checked). "
-                   "Without it the weights are hashed unless this unchanged file was hashed before.")
+@engine_options
 @click.option("--output", type=click.Path(path_type=Path), default=None,
               help="Output JSONL, one line per request as it finishes ('-' = stdout) [default: stdout].")
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
@@ -107,20 +138,7 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
         _die(_flag_message(str(e)))
     if max_new_tokens < 1:
         _die(f"--max-new-tokens is {max_new_tokens}; allowed: an integer >= 1")
-    if threads is not None and threads < 1:
-        _die(f"--threads is {threads}; allowed: an integer >= 1")
-    from mg.kernels.quiet import quiet_dependencies
-
-    quiet_dependencies()
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            _die("--device cuda was asked for, but torch sees no CUDA device")
+    engine_setup(device, threads)
     if output is not None and str(output) == "-":
         output = None
     _check_output_path("--output", output)

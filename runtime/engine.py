@@ -99,6 +99,14 @@ class Engine:
         self.scheduler.submit(request)
         self.stats.prompt_tokens += len(request.prompt)
 
+    def cancel(self, request_id: str) -> bool:
+        """Stop serving request `request_id` now: out of the queue, or its slot, cells and draft state freed
+        before the next step. False when it is not queued or running (finished, or never submitted)."""
+        found = self.scheduler.cancel(request_id)
+        if isinstance(found, Sequence):
+            self._free(found)
+        return found is not None
+
     def take_finished(self) -> list[Result]:
         """Results of the requests that finished since the last call, in finishing order."""
         done = list(self._results.values())
@@ -208,10 +216,13 @@ class Engine:
             spec.end_commits()
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._free(seq)
+        self._results[seq.request.id] = Result(seq.request.id, tuple(seq.generated), reason)
+
+    def _free(self, seq: Sequence) -> None:
         self.runner.cache.release(seq.slot)
         if self.spec is not None:
             self.spec.release(seq.slot)
-        self._results[seq.request.id] = Result(seq.request.id, tuple(seq.generated), reason)
 
     def _sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
         """The rows' SamplingBatch, built once per distinct parameter tuple (saves host-to-device copies

@@ -173,6 +173,19 @@ class Scheduler:
                 return self._finish(seq, "length")
         return None
 
+    def cancel(self, request_id: str) -> Optional[Sequence | Request]:
+        """Take request `request_id` out: its Request when it was waiting, its Sequence (slot freed; the caller
+        frees the caches) when it was running, None when it is not here."""
+        for req in self.waiting:
+            if req.id == request_id:
+                self.waiting.remove(req)
+                return req
+        for seq in self.running:
+            if seq.request.id == request_id:
+                self._finish(seq, "cancelled")
+                return seq
+        return None
+
     def _finish(self, seq: Sequence, reason: str) -> str:
         seq.finish_reason = reason
         self.running.remove(seq)
