@@ -72,3 +72,31 @@ def test_request_over_capacity_is_refused_alone(tiny_seq_artifact, tiny_cfg):
     assert res[0].error is None and len(res[0].tokens) >= 1
     assert res[2].error is None and len(res[2].tokens) >= 1
     assert res[1].error is not None and "exceeds the artifact's context capacity" in res[1].error
+
+
+@pytest.mark.parametrize("which", ["tiny_seq_artifact", "tiny_dflash_cell_artifact"])
+def test_cancel_frees_a_running_sequence_and_drops_a_waiting_one_without_changing_the_others(which, request,
+                                                                                           tiny_cfg):
+    art = load_artifact(request.getfixturevalue(which))
+    prompts = _prompts(tiny_cfg.vocab_size)
+    alone = Engine(art).run([Request("keep", prompts[0], 12)])[0].tokens
+    engine = Engine(art)
+    n_slots = engine.cache.n_slots
+    reqs = [Request("keep", prompts[0], 12)] + [Request(f"c{i}", prompts[1], 40) for i in range(n_slots)]
+    for r in reqs:
+        engine.submit(r)
+    for _ in range(3):
+        engine.step()
+    running = {s.request.id for s in engine.scheduler.running}
+    waiting = [r.id for r in engine.scheduler.waiting]
+    assert "c0" in running and waiting  # one request could not get a slot
+    assert engine.cancel("c0") and engine.cancel(waiting[0]) and not engine.cancel("never-submitted")
+    assert "c0" not in {s.request.id for s in engine.scheduler.running}
+    assert waiting[0] not in [r.id for r in engine.scheduler.waiting]
+    done = {}
+    while not engine.scheduler.idle:
+        engine.step()
+        done.update({r.id: r for r in engine.take_finished()})
+    assert done["keep"].tokens == alone  # greedy: the others' tokens do not depend on the cancelled ones
+    assert "c0" not in done and waiting[0] not in done
+    assert all(n == 0 for n in engine.cache.metrics().lengths)
