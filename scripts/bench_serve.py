@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--level-seconds", type=float, default=120.0)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--soak", type=int, default=500, help="requests of the soak run (0 = none)")
+    p.add_argument("--soak-rounds", type=int, default=1, help="soak runs in a row (RSS after each)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -181,9 +182,13 @@ def main() -> None:
             asyncio.run(soak(base, 100, 32))  # warm-up: every request kind once, allocator pools filled
             time.sleep(1.0)
             before = rss_gb(server.pid)
-            s = asyncio.run(soak(base, args.soak, 32))
-            time.sleep(1.0)
-            s.update(rss_start_gb=start, rss_before_gb=before, rss_after_gb=rss_gb(server.pid))
+            rounds = []
+            for _ in range(args.soak_rounds):
+                rounds.append(asyncio.run(soak(base, args.soak, 32)))
+                time.sleep(1.0)
+                rounds[-1]["rss_after_gb"] = rss_gb(server.pid)
+            s = dict(rounds[0], failed=sum(r["failed"] for r in rounds), rss_start_gb=start, rss_before_gb=before,
+                     rss_after_gb=rounds[-1]["rss_after_gb"], rounds=rounds)
             report["soak"] = s
     finally:
         server.terminate()
@@ -197,7 +202,10 @@ def main() -> None:
               f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} |")
     if "soak" in report:
         s = report["soak"]
-        print(f"\nSoak: {s['requests']} mixed requests at concurrency {s['concurrency']} in {s['wall_s']:.0f}s, "
+        after = ", ".join(f"{r['rss_after_gb']:.3f}" for r in s["rounds"])
+        print(f"\nSoak: {len(s['rounds'])} x {s['requests']} mixed requests at concurrency {s['concurrency']}, "
+              f"RSS after each: {after} GB")
+        print(f"Soak: {s['requests']} mixed requests at concurrency {s['concurrency']} in {s['wall_s']:.0f}s, "
               f"{s['failed']} failed; server RSS {s['rss_before_gb']:.3f} GB before, {s['rss_after_gb']:.3f} GB "
               f"after ({100 * (s['rss_after_gb'] / s['rss_before_gb'] - 1):+.1f}%; {s['rss_start_gb']:.3f} GB before "
               f"a 100-request warm-up soak); server exit code {code}")
