@@ -27,4 +27,9 @@ for pkg in "flatbuffers>=24" "ruamel.yaml" "ruamel.yaml.clib" "tabulate" "packag
            "safetensors>=0.4" "tokenizers>=0.19" "typing-extensions>=4.10" "sympy" "mpmath==1.3.0"; do
     fetch "$pkg"
 done
+# The serving stack: mg-serve, its tests (the openai client) and scripts/bench_serve.py.
+for pkg in fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn h11 anyio sniffio \
+           idna prometheus-client jinja2 markupsafe openai httpx2 httpcore2 jiter distro truststore certifi tqdm; do
+    fetch "$pkg"
+done
 ls -1 "$DIR"
