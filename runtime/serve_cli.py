@@ -2,7 +2,8 @@
 
 Bad flags and artifacts that cannot be served are one line and exit 2, before
 anything listens. SIGTERM / SIGINT: stop accepting, let in-flight requests end
-(up to --shutdown-timeout seconds, then cut them with a final chunk), exit 0.
+(up to --shutdown-timeout seconds; one second before it runs out, those still
+running are cut, each ending with a final chunk), exit 0.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -84,8 +86,17 @@ def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_
     click.echo(f"mg-serve: {m.model.name} ({m.kv.layout} layout, {engine.cache.n_slots} sequences, "
                f"{'DFlash ' + config.speculation if engine.spec is not None else 'target only'}, {device}) on "
                f"http://{host}:{port}/v1", err=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # stop accepting, let in-flight requests end, exit 0
-        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    def shut_down(*_) -> None:
+        """Stop accepting; requests still running a second before the grace period ends are cut by stopping the
+        engine thread, which ends each of them with a final chunk (finish_reason "length")."""
+        if not server.should_exit:
+            server.should_exit = True
+            cut = threading.Timer(max(0.0, shutdown_timeout - 1.0), worker.stop)
+            cut.daemon = True
+            cut.start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, shut_down)
     try:
         server.run()
     finally:

@@ -285,3 +285,39 @@ def test_a_busy_port_is_refused_in_one_line(tiny_seq_artifact):
         port = s.getsockname()[1]
         result = CliRunner().invoke(main, [str(tiny_seq_artifact), "--port", str(port)])
     assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in result.output
+
+
+@pytest.mark.slow
+def test_sigterm_cuts_a_running_stream_with_a_final_chunk_and_exits_0(tmp_path_factory):
+    from mg.export.cli import main as export_main
+
+    art = tmp_path_factory.mktemp("long") / "art"  # a long context: generation outlasts the grace period
+    result = CliRunner().invoke(export_main, ["--preset", "tiny", "--max-context", "2048", "--max-kv-seqs", "2",
+                                              "-o", str(art)])
+    assert result.exit_code == 0, result.output
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mg.runtime.serve_cli", str(art), "--port", str(port),
+                             "--shutdown-timeout", "2"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if _http(f"http://127.0.0.1:{port}", "GET", "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        stream = _Stream(f"http://127.0.0.1:{port}", {"prompt": "x", "max_tokens": 2000, "temperature": 0,
+                                                      "stream_options": {"include_usage": True}})
+        assert stream.first_data()
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        lines = [line.decode().strip() for line in stream.response if line.strip()]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        usage = json.loads(lines[-2][len("data: "):])["usage"]
+        last = json.loads(lines[-3][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert usage["completion_tokens"] < 2000  # cut, not finished
+        assert proc.wait(30) == 0 and time.time() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
