@@ -255,19 +255,25 @@ def test_models_health_and_metrics(server):
         assert name in text, name
 
 
+def _serve_process(artifact, *flags) -> tuple[subprocess.Popen, int]:
+    """`mg-serve ARTIFACT` in a child process on a free port, once /health answers."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mg.runtime.serve_cli", str(artifact), "--port", str(port),
+                             *flags], stderr=subprocess.PIPE, text=True, env={**os.environ})
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if _http(f"http://127.0.0.1:{port}", "GET", "/health")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.2)
+    return proc, port
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_server_with_exit_code_0(tiny_seq_artifact):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mg.runtime.serve_cli", str(tiny_seq_artifact), "--port",
-                             str(port)], stderr=subprocess.PIPE, text=True, env={**os.environ})
+    proc, _ = _serve_process(tiny_seq_artifact)
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if _http(f"http://127.0.0.1:{port}", "GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert "mg-serve: stopped" in proc.stderr.read()
@@ -295,17 +301,8 @@ def test_sigterm_cuts_a_running_stream_with_a_final_chunk_and_exits_0(tmp_path_f
     result = CliRunner().invoke(export_main, ["--preset", "tiny", "--max-context", "2048", "--max-kv-seqs", "2",
                                               "-o", str(art)])
     assert result.exit_code == 0, result.output
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mg.runtime.serve_cli", str(art), "--port", str(port),
-                             "--shutdown-timeout", "2"], stderr=subprocess.PIPE, text=True)
+    proc, port = _serve_process(art, "--shutdown-timeout", "2")
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if _http(f"http://127.0.0.1:{port}", "GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
         stream = _Stream(f"http://127.0.0.1:{port}", {"prompt": "x", "max_tokens": 2000, "temperature": 0,
                                                       "stream_options": {"include_usage": True}})
         assert stream.first_data()
