@@ -56,6 +56,15 @@ def _scalar_type(dtype: torch.dtype):
     return ScalarType[names[dtype]]
 
 
+def _segments(tensors: list[PtdTensor]) -> tuple[list[int], int]:
+    """Each tensor's offset from the segment base (SEGMENT_ALIGNMENT-aligned, in order), and the data size."""
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(_align(end, SEGMENT_ALIGNMENT))
+        end = offsets[-1] + t.nbytes
+    return offsets, end
+
+
 def header_bytes(tensors: list[PtdTensor]) -> tuple[bytes, list[int]]:
     """The file's head (extended header + flatbuffer, padded to the segment base) and each tensor's offset
     from the segment base."""
@@ -66,10 +75,7 @@ def header_bytes(tensors: list[PtdTensor]) -> tuple[bytes, list[int]]:
         _FLAT_TENSOR_VERSION, FlatTensorHeader, _serialize_to_flatbuffer)
 
     ensure_flatc()
-    offsets, end = [], 0
-    for t in tensors:
-        offsets.append(_align(end, SEGMENT_ALIGNMENT))
-        end = offsets[-1] + t.nbytes
+    offsets, end = _segments(tensors)
     flat = FlatTensor(
         version=_FLAT_TENSOR_VERSION,
         segments=[DataSegment(offset=o, size=t.nbytes) for o, t in zip(offsets, tensors)],
@@ -88,10 +94,7 @@ def header_bytes(tensors: list[PtdTensor]) -> tuple[bytes, list[int]]:
 
 def file_size(tensors: list[PtdTensor]) -> int:
     """Bytes `write_ptd` will write (header estimate included), for the disk-space check."""
-    end = 0
-    for t in tensors:
-        end = _align(end, SEGMENT_ALIGNMENT) + t.nbytes
-    return end + 4096 + 256 * len(tensors)
+    return _segments(tensors)[1] + 4096 + 256 * len(tensors)
 
 
 def write_ptd(path: Path, tensors: list[PtdTensor], progress: Optional[Progress] = None) -> tuple[int, str]:

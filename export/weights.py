@@ -52,16 +52,14 @@ class WeightSource(Protocol):
         """The tensor `name` converted to `dtype`, as contiguous row chunks (flattened) in order."""
 
 
-def rows_per_chunk(shape: tuple[int, ...], itemsize: int) -> int:
-    row = math.prod(shape[1:]) * itemsize if len(shape) > 1 else itemsize
-    return max(1, CHUNK_BYTES // max(row, 1))
-
-
-def _row_ranges(shape: tuple[int, ...], itemsize: int) -> Iterator[tuple[int, int]]:
+def _element_ranges(shape: tuple[int, ...], itemsize: int) -> Iterator[tuple[int, int]]:
+    """[start, stop) element ranges of the flattened tensor, whole rows at a time, at most CHUNK_BYTES each
+    (one row at least). A 0-dim tensor is one row of one element."""
+    width = math.prod(shape[1:])
     rows = shape[0] if shape else 1
-    step = rows_per_chunk(shape, itemsize)
+    step = max(1, CHUNK_BYTES // max(width * itemsize, 1))
     for start in range(0, rows, step):
-        yield start, min(rows, start + step)
+        yield start * width, min(rows, start + step) * width
 
 
 def _check_names(source: str, found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
@@ -147,7 +145,6 @@ class SafetensorsWeights:
         single, index = directory / SINGLE_FILE, directory / INDEX_FILE
         if single.is_file() and index.is_file():
             raise WeightsError(f"{directory}: holds both {SINGLE_FILE} and {INDEX_FILE}; keep one of them")
-        self.where: dict[str, str] = {}
         self._shard_of: dict[str, _Shard] = {}
         if single.is_file():
             shard = _Shard(single)
@@ -159,7 +156,7 @@ class SafetensorsWeights:
         else:
             raise WeightsError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (a checkpoint directory holds "
                                f"config.json and its weights)")
-        self.where = {name: str(s.path) for name, s in self._shard_of.items()}
+        self.where: dict[str, str] = {name: str(s.path) for name, s in self._shard_of.items()}
 
     def _read_index(self, index: Path) -> None:
         try:
@@ -201,9 +198,8 @@ class SafetensorsWeights:
     def chunks(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Iterator[torch.Tensor]:
         shard = self._shard_of[name]
         stored = shard.tensors[name][0]
-        width = math.prod(shape[1:]) if len(shape) > 1 else 1
-        for a, b in _row_ranges(shape, max(dtype.itemsize, stored.itemsize)):
-            part = shard.read(name, a * width, b * width)
+        for a, b in _element_ranges(shape, max(dtype.itemsize, stored.itemsize)):
+            part = shard.read(name, a, b)
             yield part if part.dtype == dtype else part.to(dtype)
 
     def close(self) -> None:
@@ -222,9 +218,8 @@ def random_chunks(seed: int, name: str, shape: tuple[int, ...], dtype: torch.dty
     """Deterministic random values of tensor `name`: norms ~ 1 + N(0, 0.1); matrices other than embeddings
     ~ N(0, 1/fan_in); the rest ~ N(0, 1). Drawn in float32, row chunk by row chunk, from one generator."""
     gen = torch.Generator().manual_seed(tensor_seed(seed, name))
-    width = math.prod(shape[1:]) if len(shape) > 1 else 1
-    for a, b in _row_ranges(shape, 4):
-        x = torch.randn((b - a) * width if shape else 1, generator=gen)
+    for a, b in _element_ranges(shape, 4):
+        x = torch.randn(b - a, generator=gen)
         if name.endswith("norm.weight"):
             x = 1.0 + 0.1 * x
         elif len(shape) == 2 and "embeddings" not in name:
@@ -256,9 +251,8 @@ class ModuleWeights:
 
     def chunks(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Iterator[torch.Tensor]:
         flat = self.params[name].detach().reshape(-1)
-        width = math.prod(shape[1:]) if len(shape) > 1 else 1
-        for a, b in _row_ranges(shape, dtype.itemsize):
-            yield flat[a * width:b * width].to(dtype)
+        for a, b in _element_ranges(shape, dtype.itemsize):
+            yield flat[a:b].to(dtype)
 
 
 def materialize(source: WeightSource, module: torch.nn.Module) -> torch.nn.Module:
