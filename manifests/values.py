@@ -97,15 +97,20 @@ def stamped_sha256(path: Path) -> Optional[str]:
         return None
 
 
+def write_cache_file(path: Path, text: str) -> None:
+    """Write a file of the cache folder whole (via a temporary name, so readers never see half of it); best
+    effort: an unwritable cache is skipped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="ascii")
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
 def write_stamp(path: Path, sha256: str) -> None:
     """Remember that `path`, as it is now, has digest `sha256` (best effort: an unwritable cache is skipped)."""
     stamp = _stamp_path(path)
-    if stamp is None:
-        return
-    try:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
-        tmp.write_text(sha256 + "\n", encoding="ascii")
-        tmp.replace(stamp)
-    except OSError:
-        pass
+    if stamp is not None:
+        write_cache_file(stamp, sha256 + "\n")

@@ -47,7 +47,6 @@ import bisect
 import hashlib
 import heapq
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Protocol
@@ -55,7 +54,7 @@ from typing import Optional, Protocol
 import torch
 
 from mg.manifests import constants as C
-from mg.manifests.values import cache_root
+from mg.manifests.values import cache_root, write_cache_file
 
 from .config import SPECULATION_FIXED, RunConfig
 from .model_runner import ModelRunner
@@ -287,14 +286,7 @@ def _load_tables(key: tuple, device: torch.device) -> Optional[tuple]:
 
 def _save_tables(key: tuple, device: torch.device, tables: tuple) -> tuple:
     """Keep `tables` for later processes (best effort: an unwritable cache is skipped); returns them."""
-    path = _tables_path(key, device)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(tables), encoding="ascii")
-        tmp.replace(path)
-    except OSError:
-        pass
+    write_cache_file(_tables_path(key, device), json.dumps(tables))
     return tables
 _TABLE_OF = {C.METHOD_FORWARD: "forward", C.METHOD_DRAFT_BLOCK: "draft", C.METHOD_DRAFT_APPEND: "append"}
 
