@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from proc_status import status_gb
+
 PROMPT = 64  # prompt tokens per request
 BLOCK = 16  # DFlash block (the medium drafter's)
 
@@ -81,13 +83,8 @@ def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, m
 
 
 def rss_gb(field: str = "VmRSS") -> float:
-    """Resident set size of this process now (VmRSS), or its peak since exec (VmHWM; unlike ru_maxrss it does
-    not start from the parent's pages at fork), in GB (Linux)."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024 / 1e9
-    return float("nan")
+    """This process's resident set now (VmRSS) or its peak since exec (VmHWM), in GB."""
+    return status_gb(field)
 
 
 def sync(device: str) -> None:

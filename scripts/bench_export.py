@@ -74,15 +74,12 @@ LOAD_CHECK = """
 import json, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
+sys.path.insert(0, sys.argv[2])
+from proc_status import status_gb as rss
 from mg.runtime.artifact import load_artifact
 from mg.runtime.config import RunConfig
 from mg.runtime.engine import Engine
 from mg.runtime.scheduler import Request
-
-def rss(field="VmRSS"):  # VmHWM: the peak since exec
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024 / 1e9
 
 art = load_artifact(Path(sys.argv[1]))
 loaded, rss_loaded = time.perf_counter() - t0, rss()
@@ -121,8 +118,8 @@ def main() -> None:
                   "shards": len(list(ckpt.glob("*.safetensors"))), "export_s": seconds, "ptd_gb": ptd / 1e9,
                   "gb_per_s": ptd / 1e9 / seconds, "peak_rss_gb": peak / 1e9, "cpus": os.cpu_count()}
         shutil.rmtree(ckpt, ignore_errors=True)  # the page cache holds the artifact, not the checkpoint
-        run = subprocess.run([sys.executable, "-c", LOAD_CHECK, str(art)], check=True, capture_output=True,
-                             text=True)
+        run = subprocess.run([sys.executable, "-c", LOAD_CHECK, str(art), str(Path(__file__).parent)], check=True,
+                             capture_output=True, text=True)
         report["cpu_load"] = json.loads(run.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)

@@ -28,6 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from proc_status import status_gb
+
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(10):", "def parse(line):",
            "with open(path) as f:", "if __name__ == '__main__':", "return sorted("]
 
@@ -39,11 +41,7 @@ def free_port() -> int:
 
 
 def rss_gb(pid: int) -> float:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    return float("nan")
+    return status_gb("VmRSS", pid)
 
 
 def pct(values: list[float], q: float) -> float:
