@@ -241,7 +241,6 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
 class Generation:
     """What a completion or chat request asks for, checked."""
 
-    prompt: list[int]
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...]
@@ -288,7 +287,7 @@ def parse_generation(body: Any, prompt: list[int], capacity: int, default_max: i
     if temperature > 0 and seed is None:
         seed = secrets.randbits(63)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    return Generation(prompt, max_tokens, params, stops, stream, bool(options.get("include_usage")))
+    return Generation(max_tokens, params, stops, stream, bool(options.get("include_usage")))
 
 
 class TextStream:

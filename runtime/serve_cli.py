@@ -13,7 +13,6 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
 
 import click
 
@@ -81,7 +80,7 @@ def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_
                         check=engine.scheduler.check, max_queue=max_queue, n_slots=engine.cache.n_slots,
                         api_key=api_key, metrics=metrics, chat_template=load_chat_template(artifact),
                         default_max_tokens=default_max_tokens)
-    server = _Server(uvicorn.Config(create_app(state), host=host, port=port, log_level="warning",
+    server = _server(uvicorn.Config(create_app(state), host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=shutdown_timeout, lifespan="off"))
     click.echo(f"mg-serve: {m.model.name} ({m.kv.layout} layout, {engine.cache.n_slots} sequences, "
                f"{'DFlash ' + config.speculation if engine.spec is not None else 'target only'}, {device}) on "
@@ -105,27 +104,22 @@ def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_
     click.echo("mg-serve: stopped", err=True)
 
 
-def _server_class():
+def _server(config):
+    """uvicorn's server without its own signal handling (it re-raises a caught SIGTERM after shutting down,
+    which would end the process with -15 rather than 0); `main` installs ours."""
     import contextlib
 
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server with our signal handlers (uvicorn re-raises a caught SIGTERM after shutting down,
-        which would end the process with -15 rather than 0)."""
-
         @contextlib.contextmanager
         def capture_signals(self):
             yield
 
-    return Server
+    return Server(config)
 
 
-def _Server(config):
-    return _server_class()(config)
-
-
-def _check_port(host: str, port: int) -> Optional[None]:
+def _check_port(host: str, port: int) -> None:
     """Refuse up front (one line) an address that cannot be bound, before the model is loaded."""
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:

@@ -98,7 +98,8 @@ class _Stream:
                 return line
 
     def close(self):
-        self.conn.sock.close() if self.conn.sock else None
+        if self.conn.sock is not None:
+            self.conn.sock.close()
         self.conn.close()
 
 
