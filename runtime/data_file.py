@@ -30,9 +30,13 @@ import torch
 MAGIC = b"FT01"
 HEADER_MAGIC = b"FH01"
 STAGING_BYTES = 64 << 20
-# ExecuTorch ScalarType codes (c10 numbering) -> torch; the ones a weight file may hold.
-DTYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
-          6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
+# ExecuTorch ScalarType codes (c10 numbering) -> torch (the program runner reads tensors with this map too),
+# and the ones a weight file may hold.
+SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+                6: torch.float32, 7: torch.float64, 9: torch.complex64, 10: torch.complex128, 11: torch.bool,
+                15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 27: torch.uint16,
+                28: torch.uint32, 29: torch.uint64}
+DTYPES = {code: SCALAR_TYPES[code] for code in (0, 1, 2, 3, 4, 5, 6, 7, 11, 15)}
 
 
 class DataFileError(ValueError):
@@ -47,7 +51,6 @@ class Entry:
     dim_order: tuple[int, ...]
     start: int  # absolute byte offset in the file
     nbytes: int
-    segment: int
 
 
 class _Reader:
@@ -166,7 +169,7 @@ class DataFile:
             if offset + nbytes > data_size:
                 raise DataFileError(f"{source}: entry {key!r} spans bytes beyond the file's data (truncated file?)")
             entries[key] = Entry(key, DTYPES[code], r.ints(layout, 1, "i"), r.ints(layout, 2, "B"), base + offset,
-                                 nbytes, seg)
+                                 nbytes)
         return entries
 
     def tensor(self, key: str, device: torch.device) -> torch.Tensor:

@@ -32,13 +32,10 @@ import torch
 from mg.kernels.executorch_env import ensure_flatc
 
 from . import program_ops as ops
-from .data_file import DataFile
+from .data_file import SCALAR_TYPES, DataFile
 
 # ExecuTorch ScalarType / MemoryFormat codes (c10 numbering) -> torch.
-_DTYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
-           6: torch.float32, 7: torch.float64, 9: torch.complex64, 10: torch.complex128, 11: torch.bool,
-           15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 27: torch.uint16,
-           28: torch.uint32, 29: torch.uint64}
+_DTYPES = SCALAR_TYPES
 _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format, 2: torch.channels_last,
                    3: torch.channels_last_3d}
 _CONVERT = {"ScalarType": _DTYPES.__getitem__, "MemoryFormat": _MEMORY_FORMATS.__getitem__,
