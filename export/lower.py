@@ -31,6 +31,7 @@ from mg.manifests.values import target_constant_values
 
 from .config import MuseGlimmerConfig
 from .model import MuseGlimmer
+from .ptd import SCALAR_TYPE_NAMES
 
 Progress = Callable[[str], None]
 
@@ -173,8 +174,7 @@ def to_program(parts: ProgramParts, progress: Optional[Progress] = None) -> tupl
                                       delegate_alignment=config.delegate_alignment)), external
 
 
-_TORCH_DTYPES = {"FLOAT": torch.float32, "BFLOAT16": torch.bfloat16, "HALF": torch.float16,
-                 "DOUBLE": torch.float64, "LONG": torch.int64, "INT": torch.int32}
+_TORCH_DTYPES = {name: dtype for dtype, name in SCALAR_TYPE_NAMES.items()}
 
 
 def externalize(program, methods: dict) -> dict[str, tuple]:

@@ -48,12 +48,16 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+# torch dtype <-> ExecuTorch ScalarType name (executorch.exir.scalar_type), for the dtypes weights come in.
+SCALAR_TYPE_NAMES = {torch.float32: "FLOAT", torch.bfloat16: "BFLOAT16", torch.float16: "HALF",
+                     torch.float64: "DOUBLE", torch.int64: "LONG", torch.int32: "INT", torch.uint8: "BYTE",
+                     torch.int8: "CHAR", torch.bool: "BOOL"}
+
+
 def _scalar_type(dtype: torch.dtype):
     from executorch.exir.scalar_type import ScalarType
 
-    names = {torch.float32: "FLOAT", torch.bfloat16: "BFLOAT16", torch.float16: "HALF", torch.float64: "DOUBLE",
-             torch.int64: "LONG", torch.int32: "INT", torch.uint8: "BYTE", torch.int8: "CHAR", torch.bool: "BOOL"}
-    return ScalarType[names[dtype]]
+    return ScalarType[SCALAR_TYPE_NAMES[dtype]]
 
 
 def _segments(tensors: list[PtdTensor]) -> tuple[list[int], int]:
