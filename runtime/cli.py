@@ -83,12 +83,16 @@ def engine_options(command):
     return command
 
 
-def engine_setup(device: str, threads: Optional[int], die=None) -> None:
-    """Check the device and thread flags (one line and exit 2 through `die`), quiet the dependencies, apply
-    --threads. Shared by mg-run and mg-serve."""
-    die = die or _die
+def check_device(device: str, die=None) -> None:
+    """Refuse a --device other than cpu | cuda (one line, exit 2 through `die`), before torch is imported."""
     if device not in ("cpu", "cuda"):
-        die(f"--device is {device!r}; allowed: cpu | cuda")
+        (die or _die)(f"--device is {device!r}; allowed: cpu | cuda")
+
+
+def engine_setup(device: str, threads: Optional[int], die=None) -> None:
+    """After `check_device`: check --threads (one line and exit 2 through `die`), quiet the dependencies, apply
+    --threads, and refuse --device cuda without a CUDA device. Shared by mg-run and mg-serve."""
+    die = die or _die
     if threads is not None and threads < 1:
         die(f"--threads is {threads}; allowed: an integer >= 1")
     from mg.kernels.quiet import quiet_dependencies
@@ -127,8 +131,7 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
     if not prompts and input_path is None:
         click.echo(click.get_current_context().get_help(), err=True)
         _die("nothing to do: give --prompt TEXT or --input FILE.jsonl")
-    if device not in ("cpu", "cuda"):
-        _die(f"--device is {device!r}; allowed: cpu | cuda")
+    check_device(device)
     from .sampling import SamplingParams  # imports torch: not needed for --help or --version
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from .cli import engine_options, engine_setup
+from .cli import check_device, engine_options, engine_setup
 from .config import RunConfig
 
 
@@ -55,6 +55,7 @@ def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_
         _die(f"--max-queue is {max_queue}; allowed: an integer >= 0")
     if default_max_tokens < 1:
         _die(f"--max-tokens is {default_max_tokens}; allowed: an integer >= 1")
+    check_device(device, _die)
     _check_port(host, port)
     engine_setup(device, threads, _die)
     from .artifact import ArtifactError, load_artifact
