@@ -11,11 +11,17 @@
 is the drafter's op (see `draft_ops` below).
 
 Only schemas, fake (shape) implementations and `.out` variants live here: the
-graph names the layer and the runtime binds storage. Calling an op eagerly
-without a runtime raises a clear error. Knows nothing about caches' internals.
+graph names the layer and the runtime binds storage. A call of the registered
+op (e.g. from compiled code) goes to the callable the runtime bound for the
+calling thread with `serving(table)`; without one it raises a clear error.
+Knows nothing about caches' internals.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch.library import Library
@@ -43,17 +49,41 @@ _lib.define(f"{DRAFT_ATTEND}({_DRAFT_ARGS}) -> Tensor")
 _lib.define(f"{DRAFT_ATTEND}.out({_DRAFT_ARGS}, *, Tensor(a!) out) -> Tensor(a!)")
 
 
-def _unbound(name: str):
+_serving = threading.local()  # .table: qualified name ("mg::update_and_attend") -> callable, per thread
+
+
+@contextlib.contextmanager
+def serving(table: Mapping[str, Callable]) -> Iterator[None]:
+    """Serve the `mg::` ops called on this thread with `table` (qualified name -> functional callable) while
+    the block runs: how compiled code, which calls the registered ops, reaches a runtime's caches."""
+    previous = getattr(_serving, "table", None)
+    _serving.table = table
+    try:
+        yield
+    finally:
+        _serving.table = previous
+
+
+def _dispatch(name: str, out: bool):
+    key = f"{NAMESPACE}::{name}"
+
     def fn(*args, **kwargs):
-        raise RuntimeError(
-            f"mg::{name} attends over a runtime-owned KV cache; run it through mg.runtime "
-            f"(or pass a cache's method as the model's attention backend), not eagerly")
+        table = getattr(_serving, "table", None)
+        impl = None if table is None else table.get(key)
+        if impl is None:
+            raise RuntimeError(
+                f"mg::{name} attends over a runtime-owned KV cache; run it through mg.runtime "
+                f"(or pass a cache's method as the model's attention backend), not eagerly")
+        result = impl(*args)
+        if any(result is a for a in args):  # a registered op's output must not alias its inputs
+            result = result.clone()
+        return kwargs["out"].copy_(result) if out else result
     return fn
 
 
 for _name in (UPDATE_AND_ATTEND, DRAFT_APPEND, DRAFT_ATTEND):
-    _lib.impl(_name, _unbound(_name), "CompositeExplicitAutograd")
-    _lib.impl(f"{_name}.out", _unbound(_name), "CompositeExplicitAutograd")
+    _lib.impl(_name, _dispatch(_name, False), "CompositeExplicitAutograd")
+    _lib.impl(f"{_name}.out", _dispatch(_name, True), "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake(f"{NAMESPACE}::{UPDATE_AND_ATTEND}")

@@ -68,6 +68,10 @@ _ENGINE_OPTIONS = [
                  help="adaptive: each round, each sequence drafts only as many tokens as pay for themselves (from "
                       "measured step costs and its acceptance so far; 0 = a plain decode step); fixed: always "
                       "draft-block - 1 drafts."),
+    click.option("--compile/--no-compile", "compile_methods", default=None,
+                 help="Run the methods as fused code compiled by torch Inductor (Triton on CUDA, C++ on CPU), cached "
+                      "on disk per program, device and torch version (the first run compiles: ~1 min) "
+                      "[default: on for cuda, off for cpu]."),
     click.option("--no-cuda-graphs", is_flag=True,
                  help="With --device cuda: run every step eagerly instead of replaying CUDA graphs (for comparison)."),
     click.option("--no-verify", is_flag=True,
@@ -89,6 +93,18 @@ def check_device(device: str, die=None) -> None:
         (die or _die)(f"--device is {device!r}; allowed: cpu | cuda")
 
 
+def say_progress() -> None:
+    """The runtime's lines (fallbacks, compiling) go to stderr as they are, progress notes included."""
+    import logging
+
+    logger = logging.getLogger("mg.runtime")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def engine_setup(device: str, threads: Optional[int], die=None) -> None:
     """After `check_device`: check --threads (one line and exit 2 through `die`), quiet the dependencies, apply
     --threads, and refuse --device cuda without a CUDA device. Shared by mg-run and mg-serve."""
@@ -98,6 +114,7 @@ def engine_setup(device: str, threads: Optional[int], die=None) -> None:
     from mg.kernels.quiet import quiet_dependencies
 
     quiet_dependencies()
+    say_progress()
     import torch
 
     if threads is not None:
@@ -126,7 +143,7 @@ def engine_setup(device: str, threads: Optional[int], die=None) -> None:
               help="Output JSONL, one line per request as it finishes ('-' = stdout) [default: stdout].")
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
 def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, threads, kv_layout,
-         no_dflash, draft_block, speculation, no_cuda_graphs, no_verify, output, stats_json):
+         no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs, no_verify, output, stats_json):
     """Serve the prompts of ARTIFACT (an mg-export directory) and write one JSON line per request."""
     if not prompts and input_path is None:
         click.echo(click.get_current_context().get_help(), err=True)
@@ -150,8 +167,8 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
 
     sink = _Output(output)
     try:
-        config = RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, dflash=not no_dflash,
-                           draft_block=draft_block, speculation=speculation)
+        config = RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, compile=compile_methods,
+                           dflash=not no_dflash, draft_block=draft_block, speculation=speculation)
         summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, sink, kv_layout,
                         verify=not no_verify)
     except ServeError as e:

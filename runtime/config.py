@@ -23,7 +23,9 @@ class ConfigError(ValueError):
 class RunConfig:
     """device: "cpu" | "cuda". cuda_graphs: None = on for CUDA, off elsewhere. pad_steps: None = pad
     exactly when graphs are on; True pads every call to its bucket (how CPU tests exercise it).
-    use_triton: None = Triton attention on CUDA when available. n_slots: cell layout only, sequences
+    compile: None = methods compiled to fused code (`compiled.py`) on CUDA, interpreted elsewhere; True/False
+    force (compiled methods need padded calls). use_triton: None = Triton attention on CUDA when available.
+    n_slots: cell layout only, sequences
     at once (default: the manifest's). dflash: speculate when the artifact has a drafter.
     draft_block: the most rows verified per round (pending token + drafts), 2 .. exported block
     (default: the exported block). speculation: how many drafts each sequence gets per round."""
@@ -31,6 +33,7 @@ class RunConfig:
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None
     pad_steps: Optional[bool] = None
+    compile: Optional[bool] = None
     use_triton: Optional[bool] = None
     n_slots: Optional[int] = None
     dflash: bool = True
@@ -42,6 +45,8 @@ class RunConfig:
             raise ConfigError(f"device is {self.device!r}; allowed: cpu | cuda")
         if self.cuda_graphs and not self.on_cuda:
             raise ConfigError(f"cuda_graphs=True needs device cuda; the device is {self.device}")
+        if self.compile and self.pad_steps is False:
+            raise ConfigError("compile=True needs padded calls; pad_steps is False")
         if self.speculation not in SPECULATION_POLICIES:
             raise ConfigError(f"speculation is {self.speculation!r}; allowed: {' | '.join(SPECULATION_POLICIES)}")
         if self.n_slots is not None and self.n_slots < 1:
@@ -57,6 +62,11 @@ class RunConfig:
         return self.on_cuda if self.cuda_graphs is None else self.cuda_graphs
 
     @property
+    def compiled(self) -> bool:
+        """Run methods as compiled fused code?"""
+        return self.on_cuda if self.compile is None else self.compile
+
+    @property
     def padded(self) -> bool:
         """Pad every method call to its bucket?"""
-        return self.graphs if self.pad_steps is None else self.pad_steps
+        return (self.graphs or self.compiled) if self.pad_steps is None else self.pad_steps

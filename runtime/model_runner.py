@@ -9,6 +9,10 @@ can share one loaded program), packing of a scheduled step into the target
     pad the leading dimension to its bucket -> admit the step in its cache ->
     replay a CUDA graph, or run the method eagerly -> cut outputs to live rows
 
+"Run the method" is its compiled fused code when the run config compiles
+(`compiled.py`; compiled once per program and device in a process, shared by
+every runner), else the program interpreter.
+
 Padding rows come from each method's blank inputs (the scratch slot at
 position 0; anchors at 0 for `draft_block`), so they never change a live
 sequence. Buckets are 1, 2, 4, ... up to the method's bound (`cuda_graphs.py`).
@@ -22,7 +26,9 @@ mg.export. See docs/ARCHITECTURE.md section 6.
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -33,9 +39,12 @@ from mg.manifests import constants as C
 
 from .artifact import Artifact
 from .cache_base import KVCache, make_cache
+from .compiled import CompiledMethod, CompileStats, MethodCompiler
 from .config import RunConfig
 from .cuda_graphs import GraphCounters, GraphRunner, bucket_for, buckets, triton_enabled
 from .draft_ops import DraftOps
+
+log = logging.getLogger("mg.runtime")
 
 
 @dataclass
@@ -92,6 +101,10 @@ class ModelRunner:
                                                       self._blank_block, None, _cut_rows)
             self._plans[C.METHOD_DRAFT_APPEND] = _Plan(C.METHOD_DRAFT_APPEND, draft.kv.max_write,
                                                        self._blank_append, self.draft_cache, lambda out, live: out)
+        self._compiled: dict[str, CompiledMethod] = {}
+        self.compile_stats: Optional[CompileStats] = None
+        if config.compiled:
+            self._compiled, self.compile_stats = _compiled_methods(artifact, self.device, self._plans, self.ops)
         self._graphs: dict[str, GraphRunner] = {}
         if config.graphs:
             for name, plan in self._plans.items():
@@ -136,7 +149,7 @@ class ModelRunner:
         if size is not None and graphs is not None:
             out = graphs.run(size, inputs)
         else:
-            out = self.program.run(method, [x.to(self.device) for x in inputs], ops=self.ops)
+            out = self._run(method, [x.to(self.device) for x in inputs], size is not None)
         if self.call_log is not None:
             self.call_log.append((method, rows, time.perf_counter() - t0))
         return out if size is None else plan.cut(out, live)
@@ -223,7 +236,20 @@ class ModelRunner:
         return lambda size: [x.to(self.device) for x in plan.blank(size)]
 
     def _eager_call(self, method: str) -> Callable[[list], list]:
-        return lambda inputs: self.program.run(method, inputs, ops=self.ops)
+        return lambda inputs: self._run(method, inputs, True)
+
+    def _run(self, method: str, inputs: list, padded: bool) -> list:
+        """The method once, without graphs: compiled code for padded calls (every input one bucket long), else
+        the interpreter."""
+        compiled = self._compiled.get(method) if padded else None
+        if compiled is not None:
+            return compiled(inputs, self.ops)
+        return self.program.run(method, inputs, ops=self.ops)
+
+    @property
+    def compiled_methods(self) -> tuple[str, ...]:
+        """Methods that run as compiled code (empty when the config does not compile)."""
+        return tuple(self._compiled)
 
     def _blank_forward(self, size: int) -> list:
         """`size` padding rows on the scratch slot at position 0; logits rows read row 0."""
@@ -242,6 +268,29 @@ class ModelRunner:
         hidden = torch.zeros(size, spec.shape[1], dtype=getattr(torch, spec.dtype), device=self.device)
         zeros = torch.zeros(size, dtype=torch.long)
         return [hidden, zeros, torch.full_like(zeros, self.draft_cache.scratch_slot)]
+
+
+# Compiled methods per loaded program and device: every runner on one program shares them (their op tables
+# are passed per call), and they go with the program.
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, table: dict):
+    """The compiled methods of `plans` (compiling those not compiled yet for this program and device; a method
+    that failed to compile stays interpreted) and the compile stats of this program and device."""
+    per_device = _COMPILED.setdefault(artifact.program, {})
+    if str(device) not in per_device:
+        sha = next((f.sha256 for f in artifact.manifest.files if f.name == C.PROGRAM_FILE), None)
+        per_device[str(device)] = (MethodCompiler(artifact.program, sha or "unhashed", device), {})
+    compiler, methods = per_device[str(device)]
+    before = len(compiler.stats.events)
+    for name, plan in plans.items():
+        if name not in methods:
+            methods[name] = compiler.compile(name, plan.blank, plan.limit, table)
+    new = [e for e in compiler.stats.events[before:] if e[2] == "compiled"]
+    if new:
+        log.info(f"mg-run: compiled {len(new)} method variants in {sum(e[3] for e in new):.1f}s")
+    return {name: methods[name] for name in plans if methods[name] is not None}, compiler.stats
 
 
 def _qualified(op: str) -> str:

@@ -406,7 +406,7 @@ class Speculator:
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
         key = (r.artifact.manifest.files[0].sha256 if r.artifact.manifest.files else str(r.artifact.directory),
-               str(r.device), cfg.graphs, cfg.padded, getattr(r.cache, "use_triton", None))
+               str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None))
         if key not in _COST_TABLES:
             _COST_TABLES[key] = _load_tables(key, r.device) or _save_tables(key, r.device, (
                 r.measure(C.METHOD_FORWARD), r.measure(C.METHOD_DRAFT_BLOCK), r.measure(C.METHOD_DRAFT_APPEND)))

@@ -1,5 +1,7 @@
-"""Decode benchmarks of `mg-run`'s engine on CUDA: step time with and without CUDA graphs, the
-weight-bandwidth floor, the DFlash cost ratio, end-to-end tokens/s, and the two KV layouts.
+"""Decode benchmarks of `mg-run`'s engine on CUDA: step time per execution mode (`eager`: the interpreter op
+by op; `graphs`: the interpreter under CUDA graphs; `compiled`: compiled fused methods under CUDA graphs, the
+default on CUDA), the weight-bandwidth floor, the DFlash cost ratio, end-to-end tokens/s, and the two KV
+layouts. DFlash and end-to-end runs use the last of `--modes`.
 
 A random-weight MG target (default: dim 2048, 8 layers, 16 heads, 2 KV heads, head_dim 128,
 ffn 6144, vocab 32000, bf16, ~0.54B parameters; `--layers` changes the depth) with a random
@@ -42,6 +44,9 @@ from proc_status import status_gb
 
 PROMPT = 64  # prompt tokens per request
 BLOCK = 16  # DFlash block (the medium drafter's)
+# Execution modes: RunConfig settings. `compiled` uses CUDA graphs where there is CUDA.
+MODES = {"eager": dict(cuda_graphs=False, compile=False), "graphs": dict(cuda_graphs=True, compile=False),
+         "compiled": dict(compile=True)}
 
 
 def bench_config(layers: int, tiny: bool, preset: str | None = None):
@@ -188,27 +193,31 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
                decode={}, dflash={}, e2e={},
                steps_per_call={m: art.program.info(m).n_steps for m in art.program.method_names
                                if art.program.info(m).n_inputs})  # ops the interpreter runs per call
-    graph_modes = (False, True) if dev == "cuda" else (False,)
-
-    def fresh(**kw):
+    def fresh(mode: str, **kw):
         gc.collect()
         if dev == "cuda":
             torch.cuda.empty_cache()
-        return Engine(art, RunConfig(device=dev, **kw))
+        return Engine(art, RunConfig(device=dev, **MODES[mode], **kw))
 
+    t0 = time.perf_counter()
+    for mode in args.modes:  # compile (or load compiled code) once, outside every timing
+        fresh(mode, dflash=True)
+        res.setdefault("setup_s", {})[mode] = time.perf_counter() - t0
+        t0 = time.perf_counter()
     for b in args.batches:
-        for graphs in graph_modes:
-            steps = args.steps if graphs else max(3, args.steps // 4)
-            r = steady_steps(fresh(cuda_graphs=graphs, dflash=False), b, 3, steps, dev, cfg.vocab_size)
-            res["decode"][f"{b}/{'graphs' if graphs else 'eager'}"] = r
+        for mode in args.modes:
+            steps = args.steps if mode != "eager" else max(3, args.steps // 4)
+            r = steady_steps(fresh(mode, dflash=False), b, 3, steps, dev, cfg.vocab_size)
+            res["decode"][f"{b}/{mode}"] = r
             save()
-            print(f"  [{layout}] decode batch {b} {'graphs' if graphs else 'eager '}: {r['step_ms']:.2f} ms/step "
+            print(f"  [{layout}] decode batch {b} {mode:8s}: {r['step_ms']:.2f} ms/step "
                   f"(forward {r['forward_ms']:.2f} ms; floor {1e3 * weight_bytes / bw:.2f} ms)", flush=True)
-    graphs = dev == "cuda"
+    mode = args.modes[-1]
     for b in args.dflash_batches:
-        r = steady_steps(fresh(cuda_graphs=graphs, speculation="fixed"), b, 3, args.steps, dev, cfg.vocab_size)
-        decode = res["decode"].get(f"{b}/{'graphs' if graphs else 'eager'}") or steady_steps(
-            fresh(cuda_graphs=graphs, dflash=False), b, 3, args.steps, dev, cfg.vocab_size)
+        r = steady_steps(fresh(mode, speculation="fixed"), b, 3, args.steps, dev, cfg.vocab_size)
+        decode = res["decode"].get(f"{b}/{mode}") or steady_steps(
+            fresh(mode, dflash=False), b, 3, args.steps, dev, cfg.vocab_size)
+        res["decode"][f"{b}/{mode}"] = decode
         r["c"] = (r["draft_ms"] + r["forward_ms"]) / decode["forward_ms"]
         r["c_step"] = r["step_ms"] / decode["step_ms"]
         r["projected_speedup"] = {str(tau): tau / r["c_step"] for tau in (3.2, 6.5)}
@@ -218,9 +227,9 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
               f"decode {decode['forward_ms']:.2f} ms -> c = {r['c']:.2f} (whole round / whole step "
               f"{r['c_step']:.2f}); acceptance length {r['acceptance_length']:.2f}", flush=True)
     for b in args.e2e_batches:
-        ar = end_to_end(lambda: fresh(cuda_graphs=graphs, dflash=False), b, args.max_new, cfg.vocab_size)
-        df = end_to_end(lambda: fresh(cuda_graphs=graphs, speculation="fixed"), b, args.max_new, cfg.vocab_size)
-        ad = end_to_end(lambda: fresh(cuda_graphs=graphs), b, args.max_new, cfg.vocab_size)
+        ar = end_to_end(lambda: fresh(mode, dflash=False), b, args.max_new, cfg.vocab_size)
+        df = end_to_end(lambda: fresh(mode, speculation="fixed"), b, args.max_new, cfg.vocab_size)
+        ad = end_to_end(lambda: fresh(mode), b, args.max_new, cfg.vocab_size)
         res["e2e"][str(b)] = {"ar": ar, "dflash": df, "adaptive": ad}
         save()
         print(f"  [{layout}] end-to-end batch {b}: AR {ar['tokens_per_s']:.1f} tok/s, DFlash fixed "
@@ -243,23 +252,25 @@ def tables(report: dict) -> str:
                          f"{report['export_peak_rss_gb'].get(layout, float('nan')):.2f} | {res['load_s']:.1f} | "
                          f"{res['rss_after_load_gb']:.2f} | {res['peak_rss_gb']:.2f} | {res['device_gb'] or 0:.2f} |")
         lines.append("")
-    lines += [
-             "| layout | batch | eager ms/step | graphs ms/step | speedup | graphs forward ms | floor ms |",
-             "|---|---|---|---|---|---|---|"]
+    modes, best = report["modes"], report["modes"][-1]
+    lines += [f"Setup per mode (engine start; compiling or loading compiled code for `compiled`): " + "; ".join(
+        f"{layout}: " + ", ".join(f"{m} {s:.1f} s" for m, s in res.get("setup_s", {}).items())
+        for layout, res in report["layouts"].items()), "",
+        "| layout | batch | " + " | ".join(f"{m} ms/step" for m in modes) + f" | {best} forward ms | {best} / floor "
+        "| floor ms |", "|---|---|" + "---|" * (len(modes) + 3)]
     for layout, res in report["layouts"].items():
         for b in report["batches"]:
-            e, g = res["decode"].get(f"{b}/eager"), res["decode"].get(f"{b}/graphs")
-            gs = f"{g['step_ms']:.2f}" if g else "-"
-            sp = f"{e['step_ms'] / g['step_ms']:.1f}x" if g else "-"
-            gf = f"{g['forward_ms']:.2f}" if g else "-"
-            lines.append(f"| {layout} | {b} | {e['step_ms']:.2f} | {gs} | {sp} | {gf} | {report['floor_ms']:.2f} |")
+            cells = [res["decode"].get(f"{b}/{m}") for m in modes]
+            steps = " | ".join(f"{c['step_ms']:.2f}" if c else "-" for c in cells)
+            fwd = cells[-1]["forward_ms"] if cells[-1] else float("nan")
+            lines.append(f"| {layout} | {b} | {steps} | {fwd:.2f} | {fwd / report['floor_ms']:.2f}x | "
+                         f"{report['floor_ms']:.2f} |")
     lines += ["", f"DFlash (block {report['draft_config']['block_size']}, random drafter): c = (t_draft + t_verify) / t_decode, forward times",
               "", "| layout | batch | t_draft ms | t_verify ms | t_decode ms | c | round/step | acceptance length "
               "| projected speed-up at 3.2 / 6.5 |", "|---|---|---|---|---|---|---|---|---|"]
     for layout, res in report["layouts"].items():
         for b, r in res["dflash"].items():
-            mode = "graphs" if f"{b}/graphs" in res["decode"] else "eager"
-            d = res["decode"].get(f"{b}/{mode}", {}).get("forward_ms", float("nan"))
+            d = res["decode"].get(f"{b}/{best}", {}).get("forward_ms", float("nan"))
             proj = r.get("projected_speedup", {})
             lines.append(f"| {layout} | {b} | {r['draft_ms']:.2f} | {r['forward_ms']:.2f} | {d:.2f} | {r['c']:.2f} | "
                          f"{r['c_step']:.2f} | {r['acceptance_length']:.2f} | "
@@ -277,11 +288,11 @@ def tables(report: dict) -> str:
         f"{layout}: " + ", ".join(f"{m} {n}" for m, n in res.get("steps_per_call", {}).items())
         for layout, res in report["layouts"].items())]
     seq, cell = report["layouts"].get("sequence"), report["layouts"].get("cell")
-    mode = "graphs" if report["device"] != "cpu" else "eager"
-    if seq and cell and f"8/{mode}" in seq["decode"]:
-        a, b = seq["decode"][f"8/{mode}"]["step_ms"], cell["decode"][f"8/{mode}"]["step_ms"]
-        lines += ["", f"kBatchedCell vs kBatchedSequence at batch 8 ({mode}): {b:.2f} vs {a:.2f} ms/step "
-                      f"({b / a:.2f}x)"]
+    for mode in modes:
+        if seq and cell and f"8/{mode}" in seq["decode"] and f"8/{mode}" in cell["decode"]:
+            a, b = seq["decode"][f"8/{mode}"]["step_ms"], cell["decode"][f"8/{mode}"]["step_ms"]
+            lines += ["", f"kBatchedCell vs kBatchedSequence at batch 8 ({mode}): {b:.2f} vs {a:.2f} ms/step "
+                          f"({b / a:.2f}x)"]
     return "\n".join(lines)
 
 
@@ -295,6 +306,8 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--dflash-batches", default="1,8")
     p.add_argument("--e2e-batches", default=None, help="end-to-end runs [default: --dflash-batches; '' = none]")
+    p.add_argument("--modes", default=None,
+                   help=f"execution modes, comma-separated, from {', '.join(MODES)} [default: all on cuda; eager on cpu]")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--max-context", type=int, default=1024)
@@ -307,6 +320,10 @@ def main() -> None:
         int(x) for x in args.e2e_batches.split(",") if x]
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_decode: --device cuda, but torch sees no CUDA device")
+    args.modes = (args.modes or ("eager,graphs,compiled" if args.device == "cuda" else "eager")).split(",")
+    bad = [m for m in args.modes if m not in MODES or (m == "graphs" and args.device != "cuda")]
+    if bad:
+        sys.exit(f"bench_decode: --modes has {bad[0]!r}; allowed: {', '.join(MODES)} (graphs: cuda only)")
     cfg, dcfg = bench_config(args.layers, args.tiny, args.preset)
     max_seqs = max(args.batches + args.dflash_batches + args.e2e_batches)
     max_write = max(max_seqs, BLOCK * max(args.dflash_batches + args.e2e_batches, default=1), 2) if not args.tiny else 24
@@ -337,7 +354,7 @@ def main() -> None:
                   "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "block_size", "target_layers")},
               "params": params, "weight_gb": weight_bytes / 1e9, "copy_gbps": bw / 1e9,
               "floor_ms": 1e3 * weight_bytes / bw, "max_write": max_write, "max_new": args.max_new,
-              "batches": args.batches, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "batches": args.batches, "modes": args.modes, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "export_s": {}, "export_peak_rss_gb": {}, "ptd_gb": None, "layouts": {}}
     def save() -> None:
         if args.out:

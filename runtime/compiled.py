@@ -1,0 +1,254 @@
+"""Compiled methods: a program method lifted into one FX graph, compiled by Inductor, cached on disk.
+
+The interpreter (`program.py`) runs a method as ~1000 separate torch ops; on a GPU most of them are tiny
+element-wise kernels (fp32 norms, RoPE, gates, soft cap) whose launches and memory round trips cost more
+than the matrix products between them. Here the method is traced once, through the interpreter itself,
+with `make_fx` on fake tensors: the result is an ATen FX graph of the same ops, with the `mg::` ops left as
+opaque calls of the registered ops (`mg.kernels.ops`, served at run time by the caller's op table through
+`serving`). The weights the graph reads become leading graph inputs (never copied, never part of the
+compiled code). Inductor compiles the graph: fused Triton kernels on CUDA, C++ on CPU.
+
+Two variants per method, both traced with every leading dimension equal (the model runner pads every
+input of a call to one bucket): leading dimension 1 (static), and any other size (one symbolic size,
+traced at an example size that no other input dimension has). A `CompiledMethod` picks by the call's size.
+
+Cache (docs/ARCHITECTURE.md section 6.4): each variant's compiled code is saved with
+`torch._inductor.standalone_compile(...).save` under `<cache root>/compiled/<model.pte sha256>/`, with a
+JSON key beside it: format, method, variant, the traced graph's hash (its code and every input's dtype,
+shape and stride: any change to the program or to the interpreter changes it), device, torch, triton and
+the saved file's sha256. A later process traces again (cheap, fake tensors), and loads the saved code when
+the key matches; a key that differs in anything is said in one line and compiled again; a saved file that
+does not match its recorded sha256 or fails to load is said in one line and compiled again. Compilation
+that fails is said in one line naming the method, and the method stays interpreted.
+
+Knows torch's tracing and Inductor APIs and the program API; nothing about MG models or caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from mg.kernels import ops as mg_ops
+from mg.manifests.values import cache_root, write_cache_file
+
+from .program import Program
+
+log = logging.getLogger("mg.runtime")
+
+FORMAT = 1  # bump when what is saved, or how it is called, changes
+
+
+def registered_op(qualified: str):
+    """The registered torch op of a custom op name ("mg::update_and_attend" -> torch.ops.mg.update_and_attend)."""
+    ns, name = qualified.split("::", 1)
+    return getattr(getattr(torch.ops, ns), name).default
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    return f"{device.type} {platform.machine()}"
+
+
+def _triton_version() -> Optional[str]:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+@dataclass
+class _Variant:
+    fn: Callable  # compiled: fn(*consts, *inputs) -> outputs
+    consts: list  # the weights and folded constants the graph reads, in its input order
+
+
+class CompiledMethod:
+    """A method's compiled variants; `__call__(inputs, table)` runs the one for the inputs' leading size."""
+
+    def __init__(self, name: str, one: _Variant, many: Optional[_Variant]):
+        self.name, self._one, self._many = name, one, many
+
+    def __call__(self, inputs: list, table: Mapping[str, Callable]) -> list:
+        v = self._one if inputs[0].shape[0] == 1 else self._many
+        with mg_ops.serving(table):
+            return list(v.fn(*v.consts, *inputs))
+
+
+@dataclass
+class CompileStats:
+    """What compiling a runner's methods cost, per variant: seconds traced, compiled or loaded, and how."""
+
+    events: list  # (method, variant, "compiled" | "loaded" | "failed", seconds)
+
+    def seconds(self, what: str) -> float:
+        return sum(s for _, _, w, s in self.events if w == what)
+
+
+class MethodCompiler:
+    """Compiles methods of one program for one device, through the disk cache (module docstring)."""
+
+    def __init__(self, program: Program, program_sha256: str, device: torch.device,
+                 cache_dir: Optional[Path] = None):
+        self.program = program
+        self.device = torch.device(device)
+        self.cache_dir = (cache_dir or cache_root() / "compiled") / program_sha256[:32]
+        self.stats = CompileStats([])
+        self._env = {"format": FORMAT, "program": program_sha256, "device": device_description(self.device),
+                     "torch": torch.__version__, "triton": _triton_version()}
+
+    def compile(self, method: str, blank: Callable[[int], list], limit: int,
+                table: Mapping[str, Callable]) -> Optional[CompiledMethod]:
+        """The compiled method, or None (said in one line) when it cannot be compiled. `blank(size)` gives
+        padding inputs of `size` rows (as the runner pads); `limit` is the largest leading size; `table`
+        names the custom ops (their callables are not called while compiling)."""
+        try:
+            one = self._variant(method, "1", blank(1), table)
+            many = None
+            if limit >= 2:
+                many = self._variant(method, "n", blank(self._example_size(blank, limit)), table)
+        except Exception as e:  # tracing or Inductor failed: the interpreter still runs the method
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self.stats.events.append((method, "-", "failed", 0.0))
+            log.warning(f"mg-run: compiling method {method!r} failed ({type(e).__name__}: {text}); "
+                        f"it runs interpreted")
+            return None
+        return CompiledMethod(method, one, many)
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _example_size(blank: Callable[[int], list], limit: int) -> int:
+        """A leading size to trace the symbolic variant at: >= 2 (1 would be specialised), and equal to no
+        other dimension of the inputs (equal sizes would be taken as one symbol)."""
+        others = {d for x in blank(2) for d in x.shape[1:]}
+        for n in range(3, limit + 1):
+            if n not in others:
+                return n
+        return 2
+
+    def _variant(self, method: str, variant: str, inputs: list, table: Mapping[str, Callable]) -> _Variant:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        inputs = [x.to(self.device).clone() for x in inputs]  # distinct tensors: one graph input each
+        trace_ops = {name: registered_op(name) for name in table}
+        t0 = time.perf_counter()
+        gm = make_fx(lambda *xs: self.program.run(method, list(xs), ops=trace_ops),
+                     tracing_mode="symbolic" if variant == "n" else "fake", _allow_non_fake_inputs=True)(*inputs)
+        consts = _lift_constants(gm)
+        key = dict(self._env, method=method, variant=variant, graph=_graph_hash(gm, consts))
+        stem = self.cache_dir / f"{method}-{variant}"
+        fn = self._load(stem, key)
+        if fn is not None:
+            self.stats.events.append((method, variant, "loaded", time.perf_counter() - t0))
+            return _Variant(fn, consts)
+        _fake_constants(gm, consts)
+        if not any(what == "compiled" for _, _, what, _ in self.stats.events):
+            log.info(f"mg-run: compiling the program's methods for {self._env['device']} (once per program, device "
+                     f"and torch version; kept under {self.cache_dir})")
+        compiled = torch._inductor.standalone_compile(gm, [*consts, *inputs], dynamic_shapes="from_graph")
+        self._save(stem, key, compiled)
+        self.stats.events.append((method, variant, "compiled", time.perf_counter() - t0))
+        return _Variant(compiled, consts)
+
+    def _load(self, stem: Path, key: dict) -> Optional[Callable]:
+        meta_path, bin_path = stem.with_suffix(".json"), stem.with_suffix(".bin")
+        if not meta_path.exists():
+            return None
+        what = f"compile cache {bin_path}"
+        try:
+            meta = json.loads(meta_path.read_text(encoding="ascii"))
+            saved_key, digest = meta["key"], meta["sha256"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning(f"mg-run: {what}: unreadable key ({type(e).__name__}); compiling again")
+            return None
+        if saved_key != key:
+            diff = sorted(k for k in set(key) | set(saved_key) if saved_key.get(k) != key.get(k))
+            log.warning(f"mg-run: {what} was built for another {', '.join(diff)} "
+                        f"({', '.join(f'{saved_key.get(k)} != {key.get(k)}' for k in diff[:2])}); compiling again")
+            return None
+        try:
+            data = bin_path.read_bytes()
+        except OSError as e:
+            log.warning(f"mg-run: {what}: unreadable ({e.strerror}); compiling again")
+            return None
+        if hashlib.sha256(data).hexdigest() != digest:
+            log.warning(f"mg-run: {what} does not match its recorded sha256 (corrupt); compiling again")
+            return None
+        try:
+            return torch._inductor.CompiledArtifact.load(path=str(bin_path), format="binary")
+        except Exception as e:  # a damaged or foreign file fails in many ways
+            log.warning(f"mg-run: {what} failed to load ({type(e).__name__}); compiling again")
+            return None
+
+    def _save(self, stem: Path, key: dict, compiled) -> None:
+        """Best effort: an unwritable cache folder costs a compile next time, nothing else."""
+        bin_path = stem.with_suffix(".bin")
+        tmp = bin_path.with_name(f"{bin_path.name}.{os.getpid()}.tmp")
+        try:
+            bin_path.parent.mkdir(parents=True, exist_ok=True)
+            compiled.save(path=str(tmp), format="binary")
+            digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+            tmp.replace(bin_path)
+        except Exception:  # OSError, or a compiled artifact that cannot be serialised
+            tmp.unlink(missing_ok=True)
+            return
+        write_cache_file(stem.with_suffix(".json"), json.dumps({"key": key, "sha256": digest}, indent=1))
+
+
+def _lift_constants(gm: torch.fx.GraphModule) -> list:
+    """Turn the graph's tensor constants (the weights the interpreter closed over) into leading inputs, in
+    first-use order; returns the tensors, to be passed in that order."""
+    graph = gm.graph
+    first = next(iter(graph.nodes))
+    consts: list = []
+    lifted: dict[str, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        if node.target not in lifted:
+            with graph.inserting_before(first):
+                lifted[node.target] = graph.placeholder(f"const_{len(consts)}")
+            consts.append(getattr(gm, node.target))
+        node.replace_all_uses_with(lifted[node.target])
+        graph.erase_node(node)
+    for name in lifted:
+        delattr(gm, name)
+    graph.lint()
+    gm.recompile()
+    return consts
+
+
+def _fake_constants(gm: torch.fx.GraphModule, consts: list) -> None:
+    """Give the lifted constants static fake values in the trace's fake mode (what Inductor compiles from)."""
+    from torch._guards import detect_fake_mode
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([n.meta["val"] for n in placeholders[len(consts):] if "val" in n.meta])
+    for node, c in zip(placeholders, consts):
+        node.meta["val"] = mode.from_tensor(c, static_shapes=True)
+
+
+def _graph_hash(gm: torch.fx.GraphModule, consts: list) -> str:
+    """The traced graph's identity: its code and each input's dtype, shape and stride (symbolic sizes by name)."""
+    h = hashlib.sha256(gm.code.encode())
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = consts + [n.meta.get("val") for n in placeholders[len(consts):]]
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            h.update(repr((v.dtype, tuple(map(str, v.shape)), tuple(map(str, v.stride())))).encode())
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()
