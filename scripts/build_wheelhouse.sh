@@ -28,8 +28,8 @@ for pkg in "flatbuffers>=24" "ruamel.yaml" "ruamel.yaml.clib" "tabulate" "packag
     fetch "$pkg"
 done
 # The serving stack: mg-serve, its tests (the openai client) and scripts/bench_serve.py.
-for pkg in fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn h11 anyio sniffio \
-           idna prometheus-client jinja2 markupsafe openai httpx2 httpcore2 jiter distro truststore certifi tqdm; do
+for pkg in fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection opentelemetry-api \
+           uvicorn h11 anyio sniffio idna prometheus-client jinja2 markupsafe openai httpx2 httpcore2 jiter truststore; do
     fetch "$pkg"
 done
 ls -1 "$DIR"
