@@ -14,23 +14,28 @@ traced at an example size that no other input dimension has). A `CompiledMethod`
 
 Cache (docs/ARCHITECTURE.md section 6.4): each variant's compiled code is saved with
 `torch._inductor.standalone_compile(...).save` under `<cache root>/compiled/<model.pte sha256>/`, with a
-JSON key beside it: format, method, variant, the traced graph's hash (its code and every input's dtype,
-shape and stride: any change to the program or to the interpreter changes it), device, torch, triton and
-the saved file's sha256. A later process traces again (cheap, fake tensors), and loads the saved code when
-the key matches; a key that differs in anything is said in one line and compiled again; a saved file that
-does not match its recorded sha256 or fails to load is said in one line and compiled again. Compilation
-that fails is said in one line naming the method, and the method stays interpreted.
+JSON entry beside it: the key (format, program, method, variant and its traced size, device, torch, triton,
+and a hash of the sources the traced graph depends on: the interpreter, its op table, this file and the
+`mg::` schemas), the saved file's sha256, the traced graph's hash, and where each graph constant lives in
+the program's loaded values. A later start with the same key takes the constants from there and loads the
+saved code without tracing (or, when a constant could not be located, traces and loads the code if the
+graph's hash matches). A key that differs in anything is said in one line and compiled again; a saved file
+that does not match its recorded sha256 or fails to load is said in one line and compiled again. Loaded code
+is kept per process by its sha256, so runners on a program loaded again share it. Compilation that fails
+is said in one line naming the method, and the method stays interpreted.
 
 Knows torch's tracing and Inductor APIs and the program API; nothing about MG models or caches.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +51,21 @@ from .program import Program
 log = logging.getLogger("mg.runtime")
 
 FORMAT = 1  # bump when what is saved, or how it is called, changes
+# Compiled code loaded in this process, by the sha256 of its saved file: runners on programs loaded again
+# (same program, same device) reuse it with their own constants.
+_LOADED: dict[str, Callable] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_hash() -> str:
+    """What the traced graph depends on besides the program and torch: the interpreter, its op table, this
+    tracing code and the `mg::` op schemas."""
+    from . import program, program_ops
+
+    h = hashlib.sha256()
+    for module in (program, program_ops, sys.modules[__name__], mg_ops):
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()[:32]
 
 
 def registered_op(qualified: str):
@@ -107,7 +127,7 @@ class MethodCompiler:
         self.cache_dir = (cache_dir or cache_root() / "compiled") / program_sha256[:32]
         self.stats = CompileStats([])
         self._env = {"format": FORMAT, "program": program_sha256, "device": device_description(self.device),
-                     "torch": torch.__version__, "triton": _triton_version()}
+                     "torch": torch.__version__, "triton": _triton_version(), "sources": _sources_hash()}
 
     def compile(self, method: str, blank: Callable[[int], list], limit: int,
                 table: Mapping[str, Callable]) -> Optional[CompiledMethod]:
@@ -140,30 +160,68 @@ class MethodCompiler:
         return 2
 
     def _variant(self, method: str, variant: str, inputs: list, table: Mapping[str, Callable]) -> _Variant:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        inputs = [x.to(self.device).clone() for x in inputs]  # distinct tensors: one graph input each
-        trace_ops = {name: registered_op(name) for name in table}
         t0 = time.perf_counter()
-        gm = make_fx(lambda *xs: self.program.run(method, list(xs), ops=trace_ops),
-                     tracing_mode="symbolic" if variant == "n" else "fake", _allow_non_fake_inputs=True)(*inputs)
-        consts = _lift_constants(gm)
-        key = dict(self._env, method=method, variant=variant, graph=_graph_hash(gm, consts))
+        key = dict(self._env, method=method, variant=variant, rows=int(inputs[0].shape[0]))
         stem = self.cache_dir / f"{method}-{variant}"
-        fn = self._load(stem, key)
-        if fn is not None:
-            self.stats.events.append((method, variant, "loaded", time.perf_counter() - t0))
-            return _Variant(fn, consts)
+        entry = self._entry(stem, key)
+        if entry is not None and entry.get("constants") is not None:  # warm: no tracing at all
+            consts = self._resolve(method, entry["constants"])
+            fn = self._load(entry) if consts is not None else None
+            if fn is not None:
+                self.stats.events.append((method, variant, "loaded", time.perf_counter() - t0))
+                return _Variant(fn, consts)
+        gm, consts = self._trace(method, variant, inputs, table)
+        graph = _graph_hash(gm, consts)
+        if entry is not None and entry.get("graph") == graph:
+            fn = self._load(entry)
+            if fn is not None:
+                self.stats.events.append((method, variant, "loaded", time.perf_counter() - t0))
+                return _Variant(fn, consts)
         _fake_constants(gm, consts)
         if not any(what == "compiled" for _, _, what, _ in self.stats.events):
             log.info(f"mg-run: compiling the program's methods for {self._env['device']} (once per program, device "
                      f"and torch version; kept under {self.cache_dir})")
         compiled = torch._inductor.standalone_compile(gm, [*consts, *inputs], dynamic_shapes="from_graph")
-        self._save(stem, key, compiled)
+        self._save(stem, key, compiled, graph, self._locate(method, consts))
         self.stats.events.append((method, variant, "compiled", time.perf_counter() - t0))
         return _Variant(compiled, consts)
 
-    def _load(self, stem: Path, key: dict) -> Optional[Callable]:
+    def _trace(self, method: str, variant: str, inputs: list, table: Mapping[str, Callable]):
+        """The method as an ATen graph (fake tensors; the symbolic variant with one size symbol), its tensor
+        constants lifted to leading inputs: (graph module, constants)."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        inputs = [x.to(self.device).clone() for x in inputs]  # distinct tensors: one graph input each
+        trace_ops = {name: registered_op(name) for name in table}
+        gm = make_fx(lambda *xs: self.program.run(method, list(xs), ops=trace_ops),
+                     tracing_mode="symbolic" if variant == "n" else "fake", _allow_non_fake_inputs=True)(*inputs)
+        return gm, _lift_constants(gm)
+
+    def _locate(self, method: str, consts: list) -> Optional[list]:
+        """Where each constant lives in the method's loaded values: [value index, list item or -1], so a later
+        start finds them without tracing; None when one is not there (then every start traces)."""
+        where: dict[int, list] = {}
+        for i, v in enumerate(self.program.loaded_values(method)):
+            if isinstance(v, torch.Tensor):
+                where.setdefault(id(v), [i, -1])
+            elif isinstance(v, list):
+                for j, item in enumerate(v):
+                    if isinstance(item, torch.Tensor):
+                        where.setdefault(id(item), [i, j])
+        found = [where.get(id(c)) for c in consts]
+        return None if any(f is None for f in found) else found
+
+    def _resolve(self, method: str, locators: list) -> Optional[list]:
+        values = self.program.loaded_values(method)
+        try:
+            consts = [values[i] if j < 0 else values[i][j] for i, j in locators]
+        except (IndexError, TypeError, ValueError):
+            return None
+        return consts if all(isinstance(c, torch.Tensor) for c in consts) else None
+
+    def _entry(self, stem: Path, key: dict) -> Optional[dict]:
+        """The cache entry for `key` with its `.bin` bytes checked, or None (said in one line when an entry is
+        there but stale, corrupt or unreadable)."""
         meta_path, bin_path = stem.with_suffix(".json"), stem.with_suffix(".bin")
         if not meta_path.exists():
             return None
@@ -187,13 +245,22 @@ class MethodCompiler:
         if hashlib.sha256(data).hexdigest() != digest:
             log.warning(f"mg-run: {what} does not match its recorded sha256 (corrupt); compiling again")
             return None
-        try:
-            return torch._inductor.CompiledArtifact.load(path=str(bin_path), format="binary")
-        except Exception as e:  # a damaged or foreign file fails in many ways
-            log.warning(f"mg-run: {what} failed to load ({type(e).__name__}); compiling again")
-            return None
+        return dict(meta, path=str(bin_path))
 
-    def _save(self, stem: Path, key: dict, compiled) -> None:
+    def _load(self, entry: dict) -> Optional[Callable]:
+        """The entry's compiled code; loaded once per process (keyed by the file's sha256)."""
+        fn = _LOADED.get(entry["sha256"])
+        if fn is None:
+            try:
+                fn = torch._inductor.CompiledArtifact.load(path=entry["path"], format="binary")
+            except Exception as e:  # a damaged or foreign file fails in many ways
+                log.warning(f"mg-run: compile cache {entry['path']} failed to load ({type(e).__name__}); "
+                            f"compiling again")
+                return None
+            _LOADED[entry["sha256"]] = fn
+        return fn
+
+    def _save(self, stem: Path, key: dict, compiled, graph: str, constants: Optional[list]) -> None:
         """Best effort: an unwritable cache folder costs a compile next time, nothing else."""
         bin_path = stem.with_suffix(".bin")
         tmp = bin_path.with_name(f"{bin_path.name}.{os.getpid()}.tmp")
@@ -205,7 +272,9 @@ class MethodCompiler:
         except Exception:  # OSError, or a compiled artifact that cannot be serialised
             tmp.unlink(missing_ok=True)
             return
-        write_cache_file(stem.with_suffix(".json"), json.dumps({"key": key, "sha256": digest}, indent=1))
+        _LOADED[digest] = compiled
+        write_cache_file(stem.with_suffix(".json"), json.dumps(
+            {"key": key, "sha256": digest, "graph": graph, "constants": constants}))
 
 
 def _lift_constants(gm: torch.fx.GraphModule) -> list:

@@ -181,6 +181,11 @@ class Program:
     def info(self, method_name: str) -> MethodInfo:
         return self._method(method_name).info
 
+    def loaded_values(self, method_name: str) -> list:
+        """The values table a call of the method starts from: its constants (weights, values folded at load,
+        scalars), None where the call computes the value. Shared: never modify it."""
+        return self._method(method_name).template
+
     def bind(self, op_name: str, fn: Optional[Callable]) -> None:
         """Serve custom op `op_name` (declared in `custom_ops`) with `fn` by default; None unbinds it.
         A caller that shares the program with others passes its own table to `run(..., ops=)` instead."""

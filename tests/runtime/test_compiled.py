@@ -110,7 +110,8 @@ def _compile_draft_append(runner: ModelRunner, cache_dir) -> MethodCompiler:
 
 
 @pytest.mark.slow
-def test_cache_is_reused_and_a_corrupt_or_stale_entry_is_compiled_again(compiled_runner, tmp_path, caplog):
+def test_cache_is_reused_and_a_corrupt_or_stale_entry_is_compiled_again(compiled_runner, tiny_dflash_seq_artifact,
+                                                                        tmp_path, caplog, monkeypatch):
     runner = compiled_runner[1]
     first = _compile_draft_append(runner, tmp_path)
     assert [w for _, _, w, _ in first.stats.events] == ["compiled", "compiled"]
@@ -121,6 +122,14 @@ def test_cache_is_reused_and_a_corrupt_or_stale_entry_is_compiled_again(compiled
     second = _compile_draft_append(runner, tmp_path)
     assert [w for _, _, w, _ in second.stats.events] == ["loaded", "loaded"]
     assert _said(caplog) == []
+
+    def no_tracing(*args, **kwargs):
+        raise AssertionError("a cached method was traced again")
+
+    with monkeypatch.context() as m:  # a later start finds the constants without tracing, also on a new load
+        m.setattr(MethodCompiler, "_trace", no_tracing)
+        reloaded = ModelRunner(load_artifact(tiny_dflash_seq_artifact), RunConfig(pad_steps=True), with_draft=True)
+        assert [w for _, _, w, _ in _compile_draft_append(reloaded, tmp_path).stats.events] == ["loaded", "loaded"]
 
     data = bytearray(entry.read_bytes())
     data[len(data) // 2] ^= 0xFF
