@@ -58,6 +58,10 @@ def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_
     check_device(device, _die)
     _check_port(host, port)
     engine_setup(device, threads, _die)
+    import torch
+
+    if threads is None and device == "cpu":  # one core stays free for the HTTP loop (BENCHMARKS.md, Serving)
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
     from .artifact import ArtifactError, load_artifact
     from .engine import Engine
     from .http_server import EngineWorker, Metrics, ServerState, create_app, load_chat_template
@@ -84,7 +88,8 @@ def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_
     server = _server(uvicorn.Config(create_app(state), host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=shutdown_timeout, lifespan="off"))
     click.echo(f"mg-serve: {m.model.name} ({m.kv.layout} layout, {engine.cache.n_slots} sequences, "
-               f"{'DFlash ' + config.speculation if engine.spec is not None else 'target only'}, {device}) on "
+               f"{'DFlash ' + config.speculation if engine.spec is not None else 'target only'}, {device}"
+               f"{f', {torch.get_num_threads()} threads' if device == 'cpu' else ''}) on "
                f"http://{host}:{port}/v1", err=True)
     def shut_down(*_) -> None:
         """Stop accepting; requests still running a second before the grace period ends are cut by stopping the

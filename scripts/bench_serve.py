@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -145,6 +146,7 @@ def main() -> None:
     p.add_argument("--soak", type=int, default=500, help="requests of the soak run (0 = none)")
     p.add_argument("--soak-rounds", type=int, default=1, help="soak runs in a row (RSS after each)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--server-args", default="", help="more mg-serve flags, e.g. '--threads 1'")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
@@ -155,7 +157,7 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "mg.runtime.serve_cli", artifact, "--port", str(port),
-                               "--device", args.device, "--max-queue", "256"])
+                               "--device", args.device, "--max-queue", "256", *shlex.split(args.server_args)])
     try:
         deadline = time.time() + 120
         while True:
@@ -168,6 +170,7 @@ def main() -> None:
                     sys.exit("bench_serve: the server did not start")
                 time.sleep(0.3)
         report = {"artifact": artifact, "model": MODEL, "device": args.device, "cpus": os.cpu_count(),
+                  "server_args": args.server_args,
                   "max_tokens": args.max_tokens, "levels": []}
         asyncio.run(level(base, 2, 4, 30, 8))  # warm-up: first-use costs out of the numbers
         for c in (int(x) for x in args.levels.split(",") if x):

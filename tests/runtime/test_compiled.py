@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -25,6 +27,9 @@ from mg.runtime.model_runner import ModelRunner
 from mg.runtime.scheduler import Request
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Inductor's CPU backend builds C++ with the system compiler.
+needs_cxx = pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")),
+                               reason="needs a C++ compiler (Inductor's CPU backend)")
 DFLASH = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 
 
@@ -59,6 +64,7 @@ def compiled_runner(tiny_dflash_seq_artifact):
     return compiled, interpreted
 
 
+@needs_cxx
 @pytest.mark.slow
 def test_every_method_compiles_and_matches_the_interpreter(compiled_runner):
     compiled, interpreted = compiled_runner
@@ -78,6 +84,7 @@ def test_every_method_compiles_and_matches_the_interpreter(compiled_runner):
         (m, v) for m in compiled.compiled_methods for v in ("1", "n")}
 
 
+@needs_cxx
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture", DFLASH)
 def test_greedy_dflash_compiled_equals_interpreted(fixture, request):
@@ -109,6 +116,7 @@ def _compile_draft_append(runner: ModelRunner, cache_dir) -> MethodCompiler:
     return compiler
 
 
+@needs_cxx
 @pytest.mark.slow
 def test_cache_is_reused_and_a_corrupt_or_stale_entry_is_compiled_again(compiled_runner, tiny_dflash_seq_artifact,
                                                                         tmp_path, caplog, monkeypatch):
