@@ -21,7 +21,8 @@ reader has used it (the Triton kernel does not: with it, the target's graphs
 are never recaptured for the span; the drafter's context read does).
 
 The read side is the Triton kernel (`attend_cells_triton`) when `use_triton` (by
-default: on CUDA with Triton available), else the torch reference.
+default: on CUDA with Triton available), else on CPU the per-sequence kernel of
+`mg.kernels.cpu_attention`, else the torch reference.
 
 Knows storage, placement and the read side (mg.kernels); must not know models,
 programs, the scheduler or mg.export.
@@ -36,6 +37,7 @@ import torch
 
 from mg.kernels import triton_attention
 from mg.kernels.attention_ref import attend_cells_ref
+from mg.kernels.cpu_attention import attend_cells_cpu
 from mg.manifests import KVSpec
 from mg.manifests.constants import LAYOUT_CELL, POLICY_RING
 
@@ -103,6 +105,9 @@ class BatchedCellCache(KVCache):
         if self.use_triton:  # the kernel bounds each query's loop by its own position
             return attend(q, k_pool, v_pool, self.cell_table, positions, seq_slots, self._windows[layer_id], scale)
         self._span_read = True
+        if self.device.type == "cpu":  # per sequence, keys gathered once (reads the slots on the host)
+            return attend_cells_cpu(q, k_pool, v_pool, self.cell_table, positions, seq_slots,
+                                    self._windows[layer_id], scale)
         return attend(q, k_pool, v_pool, self.cell_table, positions, seq_slots, self._windows[layer_id], scale,
                       self.read_span)
 

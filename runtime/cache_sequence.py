@@ -12,8 +12,10 @@ behind the length are allowed only while the rows hold what the next query's
 window needs.
 
 The read side is the Triton kernel (`attend_columns_triton`) when `use_triton` (by
-default: on CUDA with Triton available), else the torch reference; both read only
-shapes on the host, so a CUDA graph can capture them until growth moves storage.
+default: on CUDA with Triton available), else on CPU the per-sequence kernel of
+`mg.kernels.cpu_attention` (reads the slots on the host; never captured), else the torch
+reference; the Triton kernel and the reference read only shapes on the host, so a CUDA graph
+can capture them until growth moves storage.
 
 Knows storage, placement and the read side (mg.kernels); must not know models,
 programs, the scheduler or mg.export.
@@ -27,6 +29,7 @@ import torch
 
 from mg.kernels import triton_attention
 from mg.kernels.attention_ref import attend_columns_ref
+from mg.kernels.cpu_attention import attend_columns_cpu
 from mg.manifests import KVSpec
 from mg.manifests.constants import LAYOUT_SEQUENCE, POLICY_RING
 
@@ -84,7 +87,10 @@ class BatchedSequenceCache(KVCache):
     def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         self.write(k, v, positions, seq_slots, layer_id)
         k_store, v_store = self._k[layer_id], self._v[layer_id]
-        attend = triton_attention.attend_columns_triton if self.use_triton else attend_columns_ref
+        if self.use_triton:
+            attend = triton_attention.attend_columns_triton
+        else:  # on CPU per sequence, keys gathered once (reads the slots on the host); else the reference
+            attend = attend_columns_cpu if self.device.type == "cpu" else attend_columns_ref
         return attend(q, k_store, v_store, positions, seq_slots, self._windows[layer_id], scale)
 
     # ------------------------------------------------------------------ hooks

@@ -74,7 +74,7 @@ def test_padding_rows_on_the_scratch_slot_never_change_live_outputs(which, reque
     for (n, a), (m, b) in zip(seen_plain, seen_padded):
         assert n == m and [x.shape for x in a] == [x.shape for x in b]
         for x, y in zip(a, b):
-            torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)  # other matmul shapes, same values
+            torch.testing.assert_close(y, x, atol=5e-5, rtol=1e-5)  # other matmul shapes: fp32 rounding only
     assert padded.cache.length(padded.cache.scratch_slot) == 0  # padding never commits anything
 
 
