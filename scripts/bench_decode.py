@@ -71,6 +71,9 @@ def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, m
                max_context: int, preset: str | None = None, threads: int = 0) -> tuple[str, float, float]:
     """Export one layout (runs in its own process); -> (directory, seconds, peak RSS of the process in GB)."""
     import mg.kernels  # noqa: F401
+    from mg.kernels.quiet import quiet_dependencies
+
+    quiet_dependencies()
     from mg.export.artifact import PRESET_SEED, ExportOptions, TargetSource, export_artifact
     from mg.export.draft_lower import DraftSource
     from mg.export.weights import RandomWeights
@@ -314,6 +317,9 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    from mg.kernels.quiet import quiet_dependencies
+
+    quiet_dependencies()  # the exporter's dependencies log import-time noise
     args.batches = [int(x) for x in args.batches.split(",")]
     args.dflash_batches = [int(x) for x in args.dflash_batches.split(",") if x]
     args.e2e_batches = args.dflash_batches if args.e2e_batches is None else [

@@ -144,6 +144,9 @@ def main() -> int:
     p.add_argument("--speculation", default="adaptive,fixed", help="comma-separated: adaptive, fixed")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    from mg.kernels.quiet import quiet_dependencies
+
+    quiet_dependencies()  # the exporter's dependencies log import-time noise
     if args.checkpoint is None:
         from mg.export.artifact import default_checkpoints
 
