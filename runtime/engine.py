@@ -34,7 +34,7 @@ from .model_runner import ModelRunner
 from .sampling import SamplingBatch
 from .scheduler import Batch, Request, RequestError, Scheduler, Sequence
 from .spec_accept import accept
-from .speculative import DFlashError, Proposer, SpecStats, Speculator
+from .speculative import DFlashError, Proposer, SpecStats, Speculator, StepDrafts
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,8 @@ class Engine:
         if not batch:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # invariant
         drafts = (self.spec.propose(batch.decode, batch.n_drafts) if self.spec is not None
-                  else [[] for _ in batch.decode])
-        step = self.runner.pack(batch.decode, drafts, batch.prefill)
+                  else StepDrafts.none(len(batch.decode)))
+        step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens)
         out = self.runner.forward(step)
         accepted, new_tokens = self._accept(step.groups, drafts, out[0])
         self._postprocess(batch, step, drafts, accepted, new_tokens, out[1] if len(out) > 1 else None)
@@ -159,7 +159,7 @@ class Engine:
 
     # ------------------------------------------------------------------ run and postprocess
 
-    def _accept(self, groups: list, drafts: list[list[int]], logits: torch.Tensor):
+    def _accept(self, groups: list, drafts: StepDrafts, logits: torch.Tensor):
         """Accept drafts and sample the next token of every group, on the device; one copy to the host.
         A group without drafts (a plain decode step, a prompt's last chunk) is plain sampling."""
         b = len(groups)
@@ -169,14 +169,14 @@ class Engine:
         dev = logits.device
         index = torch.tensor([[first + min(j, n - 1) for j in range(width)] for _, first, n, _ in groups],
                              dtype=torch.long).flatten()
-        draft = torch.zeros(b, width - 1, dtype=torch.long)
-        for i, d in enumerate(drafts):
-            if d:
-                draft[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+        draft = torch.zeros(b, width - 1, dtype=torch.long, device=dev)  # past a group's k: ignored by accept
+        if drafts.tokens is not None and width > 1:
+            cols = min(width - 1, drafts.tokens.shape[1])
+            draft[:len(drafts.ks), :cols] = drafts.tokens[:, :cols]  # decode groups come first
         seqs = [g[0] for g in groups]
         n_draft = torch.tensor([n - 1 for _, _, n, _ in groups], dtype=torch.long)
         counters = torch.tensor([s.n_generated for s in seqs], dtype=torch.long)
-        result = accept(draft.to(dev), None, logits.index_select(0, index.to(dev)).view(b, width, -1),
+        result = accept(draft, None, logits.index_select(0, index.to(dev)).view(b, width, -1),
                         n_draft.to(dev), self._sampling_batch(seqs, dev), counters.to(dev))
         host = torch.cat([result.n_accepted[:, None], result.tokens], dim=1).tolist()  # the one copy per step
         return [row[0] for row in host], [row[1:2 + row[0]] for row in host]
@@ -185,7 +185,7 @@ class Engine:
         spec, cache = self.spec, self.runner.cache
         committed_rows, owners = [], []  # step rows whose hidden state enters the draft context
         for i, seq in enumerate(batch.decode):
-            k, a = len(drafts[i]), accepted[i]
+            k, a = drafts.ks[i], accepted[i]
             _, _, _, first = step.groups[i]
             seq.n_cached += a + 1
             if a < k:
@@ -194,7 +194,7 @@ class Engine:
                 spec.observe(seq, k, a)
                 committed_rows += range(first, first + a + 1)
                 owners.append((seq.slot, a + 1))
-        offset = sum(1 + len(d) for d in drafts)
+        offset = sum(1 + k for k in drafts.ks)
         for chunk in batch.prefill:
             chunk.seq.n_cached += chunk.length
             committed_rows += range(offset, offset + chunk.length)

@@ -56,6 +56,10 @@ class StepBatch:
     seq_slots: torch.Tensor  # [N] int64
     logits_rows: torch.Tensor  # [R] int64: rows that go through the LM head
     groups: list = field(default_factory=list)  # (seq, first logits row, rows, first step row) per sampled group
+    # Draft rows: `tokens[draft_rows] = draft_tokens.flatten()[draft_src]`, filled on the drafts' device.
+    draft_tokens: Optional[torch.Tensor] = None
+    draft_rows: Optional[torch.Tensor] = None
+    draft_src: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -119,8 +123,12 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> list:
         """The target `forward` of a packed step: [logits [R, V], hidden [N, taps*dim] (with a drafter)]."""
         n, r = batch.tokens.shape[0], batch.logits_rows.shape[0]
-        return self.call(C.METHOD_FORWARD, [batch.tokens, batch.positions, batch.seq_slots, batch.logits_rows],
-                         [r, n])
+        tokens = batch.tokens
+        if batch.draft_tokens is not None:  # drafts stay where they were made: no wait for them on the host
+            dev = batch.draft_tokens.device
+            tokens = tokens.to(dev).index_copy_(0, batch.draft_rows.to(dev),
+                                                batch.draft_tokens.flatten().index_select(0, batch.draft_src.to(dev)))
+        return self.call(C.METHOD_FORWARD, [tokens, batch.positions, batch.seq_slots, batch.logits_rows], [r, n])
 
     def draft_block(self, tokens: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> torch.Tensor:
         """Proposal logits [B, T-1, V] for blocks tokens [B, T] anchored at positions[:, 0]."""
@@ -170,17 +178,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ packing
 
-    def pack(self, decode: list, drafts: list[list[int]], prefill: list) -> StepBatch:
-        """Decode sequences write their pending token and drafts (every row gets logits: the verify rows),
-        then prefill chunks (the last row gets logits when the chunk ends the prompt)."""
+    def pack(self, decode: list, ks: list[int], prefill: list, draft_tokens: Optional[torch.Tensor] = None) -> StepBatch:
+        """Decode sequences write their pending token and `ks[i]` drafts (row i of `draft_tokens` [len(decode),
+        width], filled in where the drafts live; every row gets logits: the verify rows), then prefill chunks
+        (the last row gets logits when the chunk ends the prompt)."""
         tokens, positions, slots, rows, groups = [], [], [], [], []
-        for seq, d in zip(decode, drafts):
+        draft_rows, draft_src = [], []
+        width = draft_tokens.shape[1] if draft_tokens is not None else 0
+        for i, (seq, k) in enumerate(zip(decode, ks)):
             start, first = seq.n_cached, len(tokens)
-            tokens += [seq.tokens[-1], *d]
-            positions += range(start, start + 1 + len(d))
-            slots += [seq.slot] * (1 + len(d))
-            groups.append((seq, len(rows), 1 + len(d), first))
-            rows += range(first, first + 1 + len(d))
+            tokens += [seq.tokens[-1]] + [0] * k
+            draft_rows += range(first + 1, first + 1 + k)
+            draft_src += range(i * width, i * width + k)
+            positions += range(start, start + 1 + k)
+            slots += [seq.slot] * (1 + k)
+            groups.append((seq, len(rows), 1 + k, first))
+            rows += range(first, first + 1 + k)
         for chunk in prefill:
             seq, first = chunk.seq, len(tokens)
             tokens += seq.tokens[chunk.start:chunk.start + chunk.length]
@@ -190,7 +203,10 @@ class ModelRunner:
                 groups.append((seq, len(rows), 1, first + chunk.length - 1))
                 rows.append(len(tokens) - 1)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        return StepBatch(as_long(tokens), as_long(positions), as_long(slots), as_long(rows), groups)
+        step = StepBatch(as_long(tokens), as_long(positions), as_long(slots), as_long(rows), groups)
+        if draft_rows:
+            step.draft_tokens, step.draft_rows, step.draft_src = draft_tokens, as_long(draft_rows), as_long(draft_src)
+        return step
 
     # ------------------------------------------------------------------ costs
 

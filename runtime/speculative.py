@@ -65,8 +65,29 @@ class DFlashError(ValueError):
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
-        """Drafts d1..dk for each sequence (k = ks[i] >= 1), from its pending token and committed context."""
+    def propose(self, seqs: list, ks: list[int]) -> "torch.Tensor | list[list[int]]":
+        """Drafts d1..dk for each sequence (k = ks[i] >= 1), from its pending token and committed context: a
+        tensor [len(seqs), >= max(ks)] (row i's first ks[i] entries; may stay on the device), or lists."""
+
+
+@dataclass
+class StepDrafts:
+    """The drafts of one step, for the decoding sequences in order: k per sequence (0 = none) and a tensor
+    [len(ks), width] on the device whose row i starts with sequence i's k drafts (the rest is filler), or None
+    when nobody drafts. The tokens stay on the device: the verify rows are filled there, and the host learns
+    the accepted ones from the step's one acceptance copy."""
+
+    ks: list[int]
+    tokens: Optional[torch.Tensor]
+
+    @classmethod
+    def none(cls, n: int) -> "StepDrafts":
+        return cls([0] * n, None)
+
+    def lists(self) -> list[list[int]]:
+        """The drafts as host lists (a device-to-host copy; for inspection, not the step)."""
+        rows = self.tokens.tolist() if self.tokens is not None else [[] for _ in self.ks]
+        return [row[:k] for row, k in zip(rows, self.ks)]
 
 
 @dataclass
@@ -102,8 +123,7 @@ class DraftModelProposer:
         positions = anchors[:, None] + torch.arange(t)[None, :]
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
         logits = self.runner.draft_block(tokens, positions, slots)
-        proposals = logits.argmax(dim=-1).tolist()  # [B, T-1]: one small copy to the host
-        return [p[:k] for p, k in zip(proposals, ks)]
+        return logits.argmax(dim=-1)  # [B, T-1], left on the device
 
 
 class AcceptanceModel:
@@ -434,22 +454,29 @@ class Speculator:
 
     # ------------------------------------------------------------------ 2. propose
 
-    def propose(self, decode: list, ks: list[int]) -> list[list[int]]:
-        """Drafts for each decoding sequence (empty where k = 0); the drafting ones' context is made current
-        first."""
+    def propose(self, decode: list, ks: list[int]) -> StepDrafts:
+        """Drafts for each decoding sequence (k = 0: none); the drafting ones' context is made current first."""
         live = [(s, k) for s, k in zip(decode, ks) if k > 0]
         for k in ks:
             _bump(self.stats.chosen_k_hist, k)
         if not live:
-            return [[] for _ in decode]
+            return StepDrafts.none(len(decode))
         self._append_waiting([s.slot for s, _ in live])
         for s, _ in live:
             if self._appended.get(s.slot, 0) != s.n_cached:  # an invariant: the drafter sees all committed rows
                 raise RuntimeError(f"draft context of slot {s.slot} holds {self._appended.get(s.slot, 0)} "
                                    f"positions; the sequence has {s.n_cached} committed")
         drafts = self.proposer.propose([s for s, _ in live], [k for _, k in live])
-        it = iter(drafts)
-        return [list(next(it)) if k > 0 else [] for k in ks]
+        device = self.runner.device
+        if not isinstance(drafts, torch.Tensor):  # lists (e.g. a test's proposer): one host-to-device copy
+            width = max(k for _, k in live)
+            drafts = torch.tensor([list(d)[:width] + [0] * (width - len(d)) for d in drafts], dtype=torch.long)
+        drafts = drafts.to(device)
+        if len(live) < len(decode):  # rows in decode order; non-drafting rows are filler
+            rows = torch.tensor([i for i, k in enumerate(ks) if k > 0], dtype=torch.long, device=device)
+            drafts = torch.zeros(len(decode), drafts.shape[1], dtype=torch.long, device=device).index_copy_(
+                0, rows, drafts)
+        return StepDrafts(list(ks), drafts)
 
     # ------------------------------------------------------------------ 3. observe and commit
 

@@ -67,9 +67,9 @@ class Recording:
         self.seen: dict[tuple[str, int], list[int]] = {}
 
     def propose(self, seqs, ks):
-        out = self.inner.propose(seqs, ks)
-        for seq, d in zip(seqs, out):
-            self.seen[(seq.request.id, seq.n_cached)] = list(d)
+        out = self.inner.propose(seqs, ks)  # [B, T-1] on the device
+        for seq, d, k in zip(seqs, out.tolist(), ks):
+            self.seen[(seq.request.id, seq.n_cached)] = d[:k]
         return out
 
 
