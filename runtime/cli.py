@@ -105,9 +105,10 @@ def say_progress() -> None:
         logger.setLevel(logging.INFO)
 
 
-def engine_setup(device: str, threads: Optional[int], die=None) -> None:
+def engine_setup(device: str, threads: Optional[int], die=None, spare_core: bool = False) -> None:
     """After `check_device`: check --threads (one line and exit 2 through `die`), quiet the dependencies, apply
-    --threads, and refuse --device cuda without a CUDA device. Shared by mg-run and mg-serve."""
+    --threads (without it and with `spare_core`, on CPU: torch's default minus one, leaving a core to the
+    caller's other threads), and refuse --device cuda without a CUDA device. Shared by mg-run and mg-serve."""
     die = die or _die
     if threads is not None and threads < 1:
         die(f"--threads is {threads}; allowed: an integer >= 1")
@@ -119,6 +120,8 @@ def engine_setup(device: str, threads: Optional[int], die=None) -> None:
 
     if threads is not None:
         torch.set_num_threads(threads)
+    elif spare_core and device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
     if device == "cuda" and not torch.cuda.is_available():
         die("--device cuda was asked for, but torch sees no CUDA device")
 

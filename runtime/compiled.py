@@ -46,7 +46,7 @@ import torch
 from mg.kernels import ops as mg_ops
 from mg.manifests.values import cache_root, write_cache_file
 
-from .program import Program
+from .program import Program, first_line
 
 log = logging.getLogger("mg.runtime")
 
@@ -98,8 +98,8 @@ class _Variant:
 class CompiledMethod:
     """A method's compiled variants; `__call__(inputs, table)` runs the one for the inputs' leading size."""
 
-    def __init__(self, name: str, one: _Variant, many: Optional[_Variant]):
-        self.name, self._one, self._many = name, one, many
+    def __init__(self, one: _Variant, many: Optional[_Variant]):
+        self._one, self._many = one, many
 
     def __call__(self, inputs: list, table: Mapping[str, Callable]) -> list:
         v = self._one if inputs[0].shape[0] == 1 else self._many
@@ -112,9 +112,6 @@ class CompileStats:
     """What compiling a runner's methods cost, per variant: seconds traced, compiled or loaded, and how."""
 
     events: list  # (method, variant, "compiled" | "loaded" | "failed", seconds)
-
-    def seconds(self, what: str) -> float:
-        return sum(s for _, _, w, s in self.events if w == what)
 
 
 class MethodCompiler:
@@ -140,12 +137,11 @@ class MethodCompiler:
             if limit >= 2:
                 many = self._variant(method, "n", blank(self._example_size(blank, limit)), table)
         except Exception as e:  # tracing or Inductor failed: the interpreter still runs the method
-            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             self.stats.events.append((method, "-", "failed", 0.0))
-            log.warning(f"mg-run: compiling method {method!r} failed ({type(e).__name__}: {text}); "
+            log.warning(f"mg-run: compiling method {method!r} failed ({type(e).__name__}: {first_line(e)}); "
                         f"it runs interpreted")
             return None
-        return CompiledMethod(method, one, many)
+        return CompiledMethod(one, many)
 
     # ------------------------------------------------------------------ internals
 

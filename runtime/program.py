@@ -70,7 +70,7 @@ class _Method:
     info: MethodInfo
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -85,7 +85,7 @@ def deserialize(data: bytes, source: str):
         result = deserialize_pte_binary(data)
     except Exception as e:  # the flatbuffer and segment readers fail in many ways on damaged input
         raise ProgramError(f"{source}: corrupt or truncated ExecuTorch program "
-                           f"({type(e).__name__}: {_first_line(e)})") from None
+                           f"({type(e).__name__}: {first_line(e)})") from None
     return getattr(result, "program", result)  # executorch 1.5: PTEFile; 1.2: Program
 
 
@@ -168,7 +168,7 @@ class Program:
         try:
             buffer = Path(path).read_bytes()
         except OSError as e:
-            raise ProgramError(f"{path}: cannot read the program ({e.strerror or _first_line(e)})") from None
+            raise ProgramError(f"{path}: cannot read the program ({e.strerror or first_line(e)})") from None
         data = DataFile(data_path) if data_path is not None else None
         return cls(deserialize(buffer, str(path)), str(path), device, dtype, data=data, **kwargs)
 

@@ -57,11 +57,9 @@ def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_
         _die(f"--max-tokens is {default_max_tokens}; allowed: an integer >= 1")
     check_device(device, _die)
     _check_port(host, port)
-    engine_setup(device, threads, _die)
+    engine_setup(device, threads, _die, spare_core=True)  # a core for the HTTP loop (BENCHMARKS.md, Serving)
     import torch
 
-    if threads is None and device == "cpu":  # one core stays free for the HTTP loop (BENCHMARKS.md, Serving)
-        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
     from .artifact import ArtifactError, load_artifact
     from .engine import Engine
     from .http_server import EngineWorker, Metrics, ServerState, create_app, load_chat_template

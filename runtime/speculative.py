@@ -84,11 +84,6 @@ class StepDrafts:
     def none(cls, n: int) -> "StepDrafts":
         return cls([0] * n, None)
 
-    def lists(self) -> list[list[int]]:
-        """The drafts as host lists (a device-to-host copy; for inspection, not the step)."""
-        rows = self.tokens.tolist() if self.tokens is not None else [[] for _ in self.ks]
-        return [row[:k] for row, k in zip(rows, self.ks)]
-
 
 @dataclass
 class SpecStats:
