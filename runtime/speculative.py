@@ -196,11 +196,13 @@ class CostModel:
     """Seconds of a step from the model runner's per-bucket measurements, refined online.
 
     `forward(n)`, `draft(b)`, `append(m)`: the time at n's bucket when calls are padded to buckets, else
-    interpolated linearly between measured sizes. `observe(name, n, seconds)` moves the bucket's entry
-    towards a measured call, and buckets not timed yet by the mean ratio of measured to blank-input time
-    (calls are timed where they are synchronous: on CPU; blank inputs miss attention over real contexts). `residual(drafting)`: the mean of (measured step - predicted step), for steps with
-    and without drafts apart: host work the tables do not hold (a drafting step on CUDA waits for its drafts
-    on the host before the target step is launched)."""
+    interpolated linearly between measured sizes; never below a smaller size's time (a table refined by noisy
+    calls may dip, and a dip would make extra rows look free). `observe(name, n, seconds)` moves the bucket's
+    entry towards a measured call, and buckets not timed yet by the mean ratio of measured to blank-input
+    time (calls are timed where they are synchronous: on CPU; blank inputs miss attention over real
+    contexts). `residual(drafting)`: the mean of (measured step - predicted step), for steps with and
+    without drafts apart: host work the tables do not hold (a drafting step on CUDA waits for its drafts on
+    the host before the target step is launched)."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2):
@@ -213,9 +215,24 @@ class CostModel:
         self.smoothing = smoothing
         self._residual = {False: 0.0, True: 0.0}
         self._seen = {False: False, True: False}
+        self._monotone: dict[str, dict[int, float]] = {}
+        for name in self.tables:
+            self._update_monotone(name)
 
     def _at(self, name: str, n: int) -> float:
         return self._at_table(self.tables[name], self._sizes[name], n)
+
+    def _predict(self, name: str, n: int) -> float:
+        """The table's time at n, never below a smaller size's: entries refined online by noisy calls can
+        fall below a smaller bucket's, and a dip would make extra rows look free."""
+        return self._at_table(self._monotone[name], self._sizes[name], n)
+
+    def _update_monotone(self, name: str) -> None:
+        table, out, top = self.tables[name], {}, 0.0
+        for size in self._sizes[name]:
+            top = max(top, table[size])
+            out[size] = top
+        self._monotone[name] = out
 
     def _at_table(self, table: dict[int, float], sizes: list[int], n: int) -> float:
         if n <= 0:
@@ -232,13 +249,13 @@ class CostModel:
         return t_lo + (table[hi] - t_lo) * (n - lo) / (hi - lo)
 
     def forward(self, n: int) -> float:
-        return self._at("forward", n)
+        return self._predict("forward", n)
 
     def draft(self, b: int) -> float:
-        return self._at("draft", b)
+        return self._predict("draft", b)
 
     def append(self, m: int) -> float:
-        return self._at("append", m)
+        return self._predict("append", m)
 
     def observe(self, name: str, n: int, seconds: float) -> None:
         """A measured call of `name` with leading dimension n: its bucket's entry moves towards it, and the
@@ -260,6 +277,7 @@ class CostModel:
         for size in sizes:
             if size not in self._seen_sizes[name]:
                 table[size] = blank[size] * self._scale[name]
+        self._update_monotone(name)
 
     def residual(self, drafting: bool) -> float:
         """Host work per step, with or without drafts (until a mode is seen, the other mode's). A drafting step
@@ -414,9 +432,10 @@ class Speculator:
 
     def _paid(self, slot: int, accepted: int) -> bool:
         """Did a probe's accepted drafts come faster than plain steps make tokens? Its cost is its verify rows
-        and its share of the draft call, as the cost model saw them when it was chosen."""
+        and its share of the draft call, as the cost model saw them when it was chosen. A probe that accepted
+        nothing never paid, whatever the (possibly noisy) estimates say."""
         extra_s, rate = self._probe_cost[slot]
-        return accepted >= rate * extra_s
+        return accepted > 0 and accepted >= rate * extra_s
 
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config

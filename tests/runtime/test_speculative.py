@@ -333,6 +333,17 @@ def test_cost_model_interpolates_and_corrects_online():
     assert costs.residual(True) == 2.0 and costs.residual(False) == pytest.approx(0.5 + 0.2 * (-0.5 - 0.5))
 
 
+def test_cost_model_never_predicts_a_larger_call_cheaper():
+    costs = CostModel({1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0}, {1: 0.5}, {1: 0.1}, padded=False)
+    costs.observe("forward", 4, 1.5)  # one quick call at 4 rows: the 4-row entry drops below the 2-row one
+    table = costs.tables["forward"]
+    assert table[4] == 1.5 < table[2] == pytest.approx(1.8)  # untimed entries follow the measured/blank ratio 0.9
+    sizes = range(1, 12)
+    assert all(costs.forward(a) <= costs.forward(b) for a, b in zip(sizes, sizes[1:]))
+    assert costs.forward(4) == table[2]  # the dip is cut at the 2-row time, then rises to the 8-row one
+    assert costs.forward(6) == pytest.approx((table[2] + table[8]) / 2)
+
+
 def test_adaptive_stops_drafting_a_drafter_that_never_agrees(tiny_dflash_seq_artifact, tiny_cfg):
     reqs = _requests(_prompts(tiny_cfg.vocab_size)[:3], 40, ignore_eos=True)
     reference = _tokens(_engine(tiny_dflash_seq_artifact, TARGET_ONLY), reqs)
