@@ -33,7 +33,9 @@ each sequence drafts only where it pays. Estimates: per sequence, decayed
 counts shrunk towards a global estimate (all sequences), itself shrunk
 towards a prior. A sequence kept at k = 0 still probes with a full round now
 and then (`ProbeSchedule`: a few drafts, or as many as ride free in the
-step's bucket; the wait doubles after each probe that did not pay), so it
+step's bucket; the wait doubles after each probe that did not pay, and is
+never shorter than keeps probing within PROBE_BUDGET of the sequence's plain
+decoding time, by the probe's predicted and then measured cost), so it
 notices when the text becomes predictable again.
 
 Knows the model runner, the scheduler's records and the run config; nothing
@@ -167,29 +169,35 @@ class AcceptanceModel:
 class ProbeSchedule:
     """When a sequence the estimates keep at k = 0 drafts anyway, to find out whether drafting pays again.
 
-    After `wait` plain steps a sequence probes with a short round; `wait` starts at `start`, doubles (up to
-    `cap`) after a probe that did not pay for its time, and goes back to `start` after one that did. The
-    cost of probing a drafter that stays useless therefore shrinks geometrically."""
+    A sequence probes after `max(wait, floor)` plain steps. `wait` starts at `start`, doubles (up to `cap`)
+    after a probe that did not pay for its time and goes back to `start` after one that did, so probing a
+    drafter that stays useless costs less and less. `floor` keeps the cost of probing within a budget of the
+    sequence's plain decoding time (see `Speculator`): where a probe costs many plain steps (a large batch on
+    a CPU, whose every row costs time) probes are rare from the start, whatever `wait` says."""
 
     def __init__(self, n_slots: int, start: int = 8, cap: int = 64):
         self.start, self.cap = start, cap
         self._wait = [start] * n_slots
+        self._floor = [0.0] * n_slots  # the budget's wait measured at the slot's last probe
         self._since = [0] * n_slots  # plain steps since the slot last drafted
 
-    def due(self, slot: int, share: float = 1.0) -> bool:
-        """Has `slot` waited `share` of its wait?"""
-        return self._since[slot] >= share * self._wait[slot]
+    def due(self, slot: int, share: float = 1.0, floor: float = 0.0) -> bool:
+        """Has `slot` waited `share` of its wait (at least `floor` steps, or the floor its last probe set)?"""
+        return self._since[slot] >= share * max(self._wait[slot], floor, self._floor[slot])
 
     def plain(self, slot: int) -> None:
         self._since[slot] += 1
 
-    def drafted(self, slot: int, probe: bool, paid: bool) -> None:
+    def drafted(self, slot: int) -> None:
         self._since[slot] = 0
-        if probe:
-            self._wait[slot] = self.start if paid else min(self.cap, 2 * self._wait[slot])
+
+    def probed(self, slot: int, paid: bool, floor: float = 0.0) -> None:
+        """The outcome of `slot`'s probe; `floor`: the wait its measured cost asks for (0 after a paid one)."""
+        self._wait[slot] = self.start if paid else min(self.cap, 2 * self._wait[slot])
+        self._floor[slot] = 0.0 if paid else floor
 
     def reset(self, slot: int) -> None:
-        self._wait[slot], self._since[slot] = self.start, 0
+        self._wait[slot], self._floor[slot], self._since[slot] = self.start, 0.0, 0
 
 
 class CostModel:
@@ -297,6 +305,8 @@ class CostModel:
             self._residual[drafting] += self.smoothing * (err - self._residual[drafting])
 
 
+PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
+
 _COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
 
 
@@ -350,7 +360,10 @@ class Speculator:
         self._prediction: Optional[tuple[int, int]] = None  # (sequences drafting, context rows to append)
         self._probing: set[int] = set()  # slots whose draft this round is a probe
         self._flushed = 0  # context rows appended this step without a draft (a full call's worth waited)
-        self._probe_cost: dict[int, tuple[float, float]] = {}  # slot -> (seconds on top of a plain step, tok/s)
+        self._extra: dict[int, float] = {}  # drafting slot -> predicted seconds on top of a plain step
+        self._plain_rate = 0.0  # a plain step's tokens per second, as predicted when the round was chosen
+        self._draft_rows = 0  # the round's draft rows
+        self._probed: dict[int, int] = {}  # slot -> drafts its probe had accepted, until the step is timed
         if self.adaptive:
             self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
             if runner.device.type == "cpu":  # calls are synchronous there: time each one
@@ -371,24 +384,30 @@ class Speculator:
             return ks
         ks = self._best_drafts(decode, limits, rows_left)
         rows_left -= sum(ks)
+        c, n = self.costs, len(decode)
+        rate = n / max(c.forward(n) + c.residual(False), 1e-9)  # a plain step's tokens per second
         # Sequences kept at k = 0 for a while probe; once the step pays for a draft call anyway, those
-        # halfway to their probe join it (their probe costs only verify rows now).
+        # halfway to their probe join it (their probe costs only verify rows now). A probe is due no sooner
+        # than its predicted cost, in plain-step tokens, allows within PROBE_BUDGET of plain decoding.
         for share in (1.0, 0.5):
             if share < 1.0 and not any(ks):
                 break
             for i, s in enumerate(decode):
-                if ks[i] == 0 and limits[i] > 0 and rows_left > 0 and self.probes.due(s.slot, share):
-                    ks[i] = min(limits[i], rows_left, self._probe_rows(len(decode) + sum(ks)))
-                    rows_left -= ks[i]
+                if ks[i] or not limits[i] or rows_left <= 0:
+                    continue
+                rows, b = n + sum(ks), sum(1 for k in ks if k)
+                k = min(limits[i], rows_left, self._probe_rows(rows))
+                extra = c.forward(rows + k) - c.forward(rows) + c.draft(b + 1) - c.draft(b)
+                if self.probes.due(s.slot, share, floor=rate * extra / PROBE_BUDGET):
+                    ks[i] = k
+                    rows_left -= k
                     self._probing.add(s.slot)
         chosen = [i for i, k in enumerate(ks) if k]
         self._prediction = (len(chosen), sum(self._n_waiting.get(decode[i].slot, 0) for i in chosen))
-        if self._probing:  # what each probe costs on top of a plain step, and a plain step's tokens per second
-            c, n, rows = self.costs, len(decode), len(decode) + sum(ks)
-            rate = n / (c.forward(n) + c.residual(False))
-            share = c.draft(len(chosen)) / len(chosen)
-            self._probe_cost = {decode[i].slot: (c.forward(rows) - c.forward(rows - ks[i]) + share, rate)
-                                for i in chosen if decode[i].slot in self._probing}
+        if chosen:  # each drafting sequence's predicted seconds on top of a plain step: verify rows, draft share
+            rows, share = n + sum(ks), c.draft(len(chosen)) / len(chosen)
+            self._extra = {decode[i].slot: c.forward(rows) - c.forward(rows - ks[i]) + share for i in chosen}
+            self._plain_rate, self._draft_rows = rate, sum(ks)
         return ks
 
     def _best_drafts(self, decode: list, limits: list[int], rows_left: int) -> list[int]:
@@ -430,12 +449,24 @@ class Speculator:
             k += 1
         return k
 
-    def _paid(self, slot: int, accepted: int) -> bool:
-        """Did a probe's accepted drafts come faster than plain steps make tokens? Its cost is its verify rows
-        and its share of the draft call, as the cost model saw them when it was chosen. A probe that accepted
-        nothing never paid, whatever the (possibly noisy) estimates say."""
-        extra_s, rate = self._probe_cost[slot]
-        return accepted > 0 and accepted >= rate * extra_s
+    def _judge_probes(self, measured_s: float, rows: int) -> None:
+        """Did each probe of the step just run pay: did its accepted drafts come faster than plain steps make
+        tokens? Its cost: the step's measured time over a plain step's predicted time for the rows without
+        drafts, shared among the drafting sequences as predicted (never below its own prediction). A probe
+        that accepted nothing never paid, whatever the (possibly noisy) times say; one that did not pay waits
+        at least as many steps as keep its cost within PROBE_BUDGET."""
+        c = self.costs
+        plain_s = c.forward(rows - self._draft_rows) + c.residual(False) + c.append(self._flushed)
+        over = measured_s - plain_s
+        predicted = sum(self._extra.values())
+        for slot, accepted in self._probed.items():
+            extra = self._extra[slot]
+            if predicted > 0:
+                extra = max(extra, over * extra / predicted)
+            need = self._plain_rate * extra  # tokens the probe had to accept to pay
+            paid = accepted > 0 and accepted >= need
+            self.probes.probed(slot, paid, 0.0 if paid else need / PROBE_BUDGET)
+        self._probed = {}
 
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
@@ -459,6 +490,8 @@ class Speculator:
                 predicted = (c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
                              + c.append(self._flushed))
             c.record(drafting > 0, predicted, measured_s)
+        if self._probed:
+            self._judge_probes(measured_s, rows)
         if c is not None and log is not None:
             for method, n, seconds in log:
                 c.observe(_TABLE_OF[method], n, seconds)
@@ -507,8 +540,9 @@ class Speculator:
         _bump(st.accepted_hist, accepted)
         if self.adaptive:
             self.acceptance.observe(seq.slot, k, accepted)
-            probe = seq.slot in self._probing
-            self.probes.drafted(seq.slot, probe, probe and self._paid(seq.slot, accepted))
+            self.probes.drafted(seq.slot)
+            if seq.slot in self._probing:
+                self._probed[seq.slot] = accepted  # judged in step_done, once the step's time is known
 
     def commit(self, slot: int, hidden_rows: torch.Tensor) -> None:
         """Hidden rows [m, taps*dim] of the next m committed positions of `slot` (in position order)."""
@@ -535,6 +569,7 @@ class Speculator:
         self.runner.draft_cache.release(slot)
         self.acceptance.reset(slot)
         self.probes.reset(slot)
+        self._probed.pop(slot, None)
 
     def _append_waiting(self, slots: list[int]) -> int:
         """Append the waiting context rows of `slots`; returns how many."""

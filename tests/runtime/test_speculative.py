@@ -15,6 +15,7 @@ from mg.runtime.cli import main
 from mg.runtime.config import RunConfig
 from mg.runtime.engine import Engine
 from mg.runtime.scheduler import Request
+from mg.runtime import speculative as spec_module
 from mg.runtime.speculative import AcceptanceModel, CostModel, DFlashError, DraftModelProposer, ProbeSchedule
 
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
@@ -296,26 +297,65 @@ def test_probes_back_off_while_drafting_does_not_pay():
             probes.plain(0)
             n += 1
         waits.append(n)
-        probes.drafted(0, probe=True, paid=outcome)
+        probes.drafted(0)
+        probes.probed(0, paid=outcome)
     assert waits == [2, 4, 8, 8, 8]
     n = 0
     while not probes.due(0):
         probes.plain(0)
         n += 1
     assert n == 2  # a probe that paid: back to the start
+    probes.drafted(0)
+    probes.probed(0, paid=False, floor=20.5)  # a costly probe: its floor outlasts the doubled wait
+    n = 0
+    while not probes.due(0):
+        probes.plain(0)
+        n += 1
+    assert n == 21  # the floor's 20.5 steps, not the doubled wait's 4
+
+
+def _plain_steps_then_probe(spec, seq, steps: int, probe_s=None) -> list[int]:
+    """`steps` rounds of choose -> observe (every probe rejected) -> step_done, each step timed as the cost
+    model predicts it (a probe's step as `probe_s` when given); the k chosen each round."""
+    c, chosen = spec.costs, []
+    for _ in range(steps):
+        k = spec.choose([seq], 24)[0]
+        chosen.append(k)
+        spec.observe(seq, k, 0)
+        predicted = c.forward(1 + k) + (c.draft(1) if k else 0.0)
+        spec.step_done(probe_s if k and probe_s is not None else predicted, 1 + k)
+    return chosen
+
+
+def _rejecting(tiny_dflash_seq_artifact, costs):
+    """A speculator whose drafts were rejected many times (drafting never pays by the estimates), timed by
+    `costs` alone (no timed calls)."""
+    engine = _engine(tiny_dflash_seq_artifact)
+    spec, seq = engine.spec, _seq(0)
+    engine.runner.call_log = None
+    spec.costs = costs
+    for _ in range(30):
+        spec.acceptance.observe(seq.slot, 4, 0)
+    return spec, seq
 
 
 def test_adaptive_probes_a_sequence_kept_at_plain_steps(tiny_dflash_seq_artifact):
-    engine = _engine(tiny_dflash_seq_artifact)
-    spec = engine.spec
-    spec.costs = _costs(forward_per_row=1e-3, draft=5e-3)  # drafting never pays by the estimates
-    seq = _seq(0)
-    chosen = []
-    for _ in range(12):
-        ks = spec.choose([seq], 24)
-        chosen.append(ks[0])
-        spec.observe(seq, ks[0], 0)  # every probe is rejected
-    assert chosen == [0] * 8 + [4] + [0] * 3  # a probe of 4 drafts after 8 plain steps (then 16)
+    spec, seq = _rejecting(tiny_dflash_seq_artifact, _costs(forward_per_row=5e-5, draft=1e-4))
+    chosen = _plain_steps_then_probe(spec, seq, 30)
+    assert chosen == [0] * 8 + [4] + [0] * 16 + [4] + [0] * 4  # a cheap probe after 8 plain steps, then 16
+
+
+def test_probes_stay_within_their_budget_of_plain_decoding(tiny_dflash_seq_artifact):
+    # A probe costs 4.5 plain-step tokens here (4 verify rows and a draft call at 1 + 4 + 5 ms, plain steps
+    # at 2 ms): the first waits 4.5 / PROBE_BUDGET = 90 steps, not 8.
+    spec, seq = _rejecting(tiny_dflash_seq_artifact, _costs(forward_per_row=1e-3, draft=5e-3))
+    assert spec_module.PROBE_BUDGET == 0.05
+    chosen = _plain_steps_then_probe(spec, seq, 100)
+    assert 90 <= chosen.index(4) <= 91 and chosen.count(4) == 1  # 90 plain steps (91 with float rounding)
+    # A cheap probe by the estimates whose step measured 20 ms more than a plain one: the next waits for that.
+    spec, seq = _rejecting(tiny_dflash_seq_artifact, _costs(forward_per_row=5e-5, draft=1e-4))
+    chosen = _plain_steps_then_probe(spec, seq, 200, probe_s=0.021)
+    assert chosen.index(4) == 8 and chosen.count(4) == 1  # by the prediction alone the next came 16 later
 
 
 def test_cost_model_interpolates_and_corrects_online():
