@@ -21,8 +21,8 @@ from typing import Callable, Optional
 import torch
 
 from mg.manifests import (
-    FileEntry, KVLayer, KVSpec, Manifest, MethodSpec, ModelFacts, Provenance, TensorSpec, constants as C,
-    write_manifest,
+    FileEntry, KVLayer, KVSpec, Manifest, MethodSpec, ModelFacts, Provenance, TensorSpec, WeightGroup,
+    constants as C, write_manifest,
 )
 
 from mg.manifests.values import file_entry, write_stamp
@@ -34,11 +34,13 @@ from .draft_model import DFlashDraft
 from .lower import ProgramParts, export_target, meta_parameters, target_constants, to_program
 from .model import MuseGlimmer
 from .ptd import PtdTensor, file_size, write_ptd
+from .quantize import QuantizedWeights, QuantizeError, quantize_linears
 from .tokenizer import N_IDS as BYTE_TOKENIZER_IDS, write_byte_tokenizer
 from .weights import RandomWeights, SafetensorsWeights, WeightSource, WeightsError
 
 Progress = Callable[[str], None]
 PRESET_SEED = 0
+DEFAULT_GROUP_SIZE = 128  # int4: input columns per scale
 CHECKPOINTS_DIR = Path(__file__).resolve().parent / "checkpoints"
 
 
@@ -56,6 +58,9 @@ class ExportOptions:
     max_write: int = 64
     dtype: Optional[str] = None  # None: the checkpoint's dtype
     force: bool = False
+    weights: str = C.WEIGHTS_FLOAT  # linear layers: float (in `dtype`) | int8 | int4
+    group_size: Optional[int] = None  # int4: input columns per scale [default: 128]
+    quantize_head: bool = False  # the LM head too (it stays in `dtype` otherwise)
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,16 @@ def check_options(opts: ExportOptions) -> None:
                           f"{opts.max_context}]")
     if opts.dtype not in (None, *C.DTYPES):
         raise ExportError(f"--dtype is {opts.dtype!r}; allowed: {' | '.join(C.DTYPES)}")
+    if opts.weights not in C.WEIGHT_SCHEMES:
+        raise ExportError(f"--weights is {opts.weights!r}; allowed: {' | '.join(C.WEIGHT_SCHEMES)}")
+    if opts.group_size is not None:
+        if opts.weights != C.WEIGHTS_INT4:
+            raise ExportError(f"--group-size applies to --weights {C.WEIGHTS_INT4} only (--weights is {opts.weights})")
+        if opts.group_size not in C.INT4_GROUP_SIZES:
+            raise ExportError(f"--group-size is {opts.group_size}; allowed: "
+                              f"{' | '.join(map(str, C.INT4_GROUP_SIZES))}")
+    if opts.quantize_head and opts.weights == C.WEIGHTS_FLOAT:
+        raise ExportError("--quantize-head needs --weights int8 or int4")
     out = Path(opts.output_dir)
     here = Path.cwd().resolve()
     if out.resolve() == here or out.resolve() in here.parents:
@@ -218,6 +233,34 @@ def _ptd_tensors(external: dict[str, tuple], sources: dict[str, WeightSource],
     return tensors
 
 
+def _weight_groups(plans: dict[str, dict], scheme: str, group_size: Optional[int]) -> tuple[WeightGroup, ...]:
+    """The manifest's record of what was quantized: the target's layer linears, its head, the drafter's."""
+    counts = {C.GROUP_TARGET_LINEARS: sum(1 for n in plans.get("model", {}) if n != "output"),
+              C.GROUP_TARGET_HEAD: sum(1 for n in plans.get("model", {}) if n == "output"),
+              C.GROUP_DRAFT_LINEARS: len(plans.get("draft", {}))}
+    return tuple(WeightGroup(group, scheme, group_size, n) for group, n in counts.items() if n)
+
+
+def _quantize(opts: ExportOptions, model: MuseGlimmer, draft_model: Optional[DFlashDraft], group_size: Optional[int],
+              dtype: str, progress: Progress) -> dict[str, dict]:
+    """With --weights int8|int4: the (meta) models' linears replaced in place, before any lowering (a width the
+    groups do not divide is refused at once); -> {source prefix: plan}."""
+    if opts.weights == C.WEIGHTS_FLOAT:
+        return {}
+    try:
+        plans = {"model": quantize_linears(model, opts.weights, group_size,
+                                           frozenset() if opts.quantize_head else frozenset({"output"}))}
+        if draft_model is not None:
+            plans["draft"] = quantize_linears(draft_model, opts.weights, group_size, where="draft.")
+    except QuantizeError as e:
+        raise ExportError(str(e)) from None
+    scheme = opts.weights + (f" in groups of {group_size}" if group_size else " per output channel")
+    progress(f"weights: {sum(map(len, plans.values()))} linears quantized to {scheme} (target"
+             f"{', its head' if opts.quantize_head else ''}{', drafter' if draft_model is not None else ''}); "
+             f"embeddings{'' if opts.quantize_head else ' and head'} stay {dtype}")
+    return plans
+
+
 def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progress,
                     draft: Optional[DraftSource] = None) -> Manifest:
     """Export `target` (and its DFlash `draft`) under `opts` into `opts.output_dir`; nothing is left
@@ -227,13 +270,19 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
     cfg = target.cfg
     dtype = opts.dtype or cfg.dtype
     tdtype = getattr(torch, dtype)
-    params = cfg.n_params() + (draft.cfg.n_params(cfg.dim) if draft is not None else 0)
-    check_disk(_existing(Path(opts.output_dir).parent), params * tdtype.itemsize)  # up front, before any lowering
     model = meta_target(cfg).to(tdtype).eval()
+    draft_model = None
+    if draft is not None:
+        with meta_parameters():
+            draft_model = DFlashDraft(draft.cfg, cfg).to(tdtype).eval()
     kv = target_kv(cfg, opts, dtype)
     progress(f"model {target.name}: {cfg.n_layers} layers ({len(kv.ring_layers)} ring, "
              f"{cfg.n_layers - len(kv.ring_layers)} flat), dim {cfg.dim}, vocab {cfg.vocab_size}, "
              f"{cfg.n_params() / 1e9:.3f}B parameters, {dtype}, weights from {target.weights.description}")
+    group_size = (opts.group_size or DEFAULT_GROUP_SIZE) if opts.weights == C.WEIGHTS_INT4 else None
+    plans = _quantize(opts, model, draft_model, group_size, dtype, progress)
+    stored = sum(p.numel() * p.element_size() for m in (model, draft_model) if m is not None for p in m.parameters())
+    check_disk(_existing(Path(opts.output_dir).parent), stored)  # up front, before any lowering
     taps = tuple(draft.cfg.target_layers) if draft is not None else ()
     progress(f"torch.export forward (tokens per step 1..{opts.max_write}{', hidden taps ' + str(list(taps)) if taps else ''})")
     methods = {C.METHOD_FORWARD: export_target(model, opts.max_write, taps)}
@@ -243,8 +292,6 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
     buffers = {f"model.{n}": b for n, b in model.named_buffers()}
     draft_kv = None
     if draft is not None:
-        with meta_parameters():
-            draft_model = DFlashDraft(draft.cfg, cfg).to(tdtype).eval()
         draft_kv = draft_kv_spec(draft.cfg, kv)
         progress(f"torch.export drafter {draft.name}: {draft.cfg.n_layers} layers, block {draft.cfg.block_size}, "
                  f"mask token {draft.cfg.mask_token_id}, weights from {draft.weights.description}")
@@ -253,6 +300,8 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
         specs += draft_methods(draft.cfg, cfg, draft_kv)
         sources["draft"] = draft.weights
         buffers.update({f"draft.{n}": b for n, b in draft_model.named_buffers()})
+    for prefix, plan in plans.items():
+        sources[prefix] = QuantizedWeights(sources[prefix], plan)
     program, external = to_program(ProgramParts(methods, constants), progress)
     tensors = _ptd_tensors(external, sources, buffers)
 
@@ -289,6 +338,7 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
             files=tuple(entries),
             provenance=Provenance(tool_version=_version("mg-toolchain"), torch_version=torch.__version__,
                                   executorch_version=_version("executorch")),
+            weights=_weight_groups(plans, opts.weights, group_size),
         )
         write_manifest(manifest, tmp / C.MANIFEST_FILE)
         _replace_dir(tmp, out)

@@ -46,9 +46,17 @@ def _progress():
 @click.option("--max-write", type=int, default=64, show_default=True,
               help="Tokens written per step, all sequences together.")
 @click.option("--dtype", type=str, default=None, metavar="float32|bfloat16", help="[default: the checkpoint's]")
+@click.option("--weights", type=str, default=C.WEIGHTS_FLOAT, show_default=True, metavar="float|int8|int4",
+              help="Linear layers (target and drafter): float (stored in --dtype) | int8 (per output channel) | "
+                   "int4 (groups of --group-size input columns, with zero points). Embeddings stay float.")
+@click.option("--group-size", type=int, default=None,
+              help=f"--weights int4: input columns per scale, one of {' | '.join(map(str, C.INT4_GROUP_SIZES))} "
+                   f"[default: 128].")
+@click.option("--quantize-head", is_flag=True, help="Quantize the LM head too (it stays float otherwise).")
 @click.option("-o", "--output-dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory (one holding manifest.json).")
-def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write, dtype, output_dir, force):
+def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write,
+         dtype, weights, group_size, quantize_head, output_dir, force):
     """Export an MG model to an ExecuTorch program (model.pte), its weights (model.ptd) and manifest.json."""
     from mg.kernels.quiet import quiet_dependencies
 
@@ -75,7 +83,8 @@ def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, m
     if layout == C.LAYOUT_CELL and max_cells is None and max_seqs is None:
         max_cells = 4096
     opts = ExportOptions(output_dir=output_dir, layout=layout, max_seqs=max_seqs, max_cells=max_cells,
-                         max_context=max_context, max_write=max_write, dtype=dtype, force=force)
+                         max_context=max_context, max_write=max_write, dtype=dtype, force=force, weights=weights,
+                         group_size=group_size, quantize_head=quantize_head)
     say = _progress()
     try:
         check_options(opts)

@@ -60,8 +60,9 @@ class DraftBlockMethod(nn.Module):
         self.model = _TargetShared(target)  # same FQNs as TargetForward.model.*
 
     def forward(self, tokens, positions, seq_slots):
-        return self.draft.block_logits(tokens, positions, seq_slots, self.model.tok_embeddings.weight,
-                                       self.model.output.weight, torch.ops.mg.draft_attend.default)
+        rows = self.draft.block_rows(tokens, positions, seq_slots, self.model.tok_embeddings.weight,
+                                     torch.ops.mg.draft_attend.default)
+        return self.model.output(rows).float()  # the target's head module: a quantized one when the head is
 
 
 def draft_max_seqs(kv: KVSpec) -> int:
@@ -125,7 +126,7 @@ def export_draft(draft: DFlashDraft, target: MuseGlimmer, draft_kv: KVSpec) -> d
     max_write, max_seqs = draft_kv.max_write, draft_max_seqs(draft_kv)
     if max_write < 2:
         raise ValueError(f"max_write is {max_write}; allowed: an integer >= 2")
-    cfg, dtype = draft.cfg, draft.fc.weight.dtype
+    cfg, dtype = draft.cfg, draft.hidden_norm.weight.dtype  # (fc may be quantized: the norm is float)
     m = Dim("n_rows", min=1, max=max_write)
     hidden = torch.zeros(2, draft.fc.in_features, dtype=dtype)
     append_args = (hidden, torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long))

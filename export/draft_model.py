@@ -225,5 +225,9 @@ class DFlashDraft(nn.Module):
         """tokens [B, T] = [anchor, MASK, ...] -> proposal logits [B, T - 1, V] fp32 for positions anchor + 1 ...
 
         `embed_weight`/`head_weight` are the target's raw table and LM head (no embedding norm, no soft cap)."""
-        h = self.forward(F.embedding(tokens, embed_weight), positions, seq_slots, attend)
-        return F.linear(h[:, 1:], head_weight).float()
+        return F.linear(self.block_rows(tokens, positions, seq_slots, embed_weight, attend), head_weight).float()
+
+    def block_rows(self, tokens: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,
+                   embed_weight: torch.Tensor, attend: DraftAttendFn) -> torch.Tensor:
+        """The final-normed rows [B, T - 1, dim] that `block_logits` puts through the target's LM head."""
+        return self.forward(F.embedding(tokens, embed_weight), positions, seq_slots, attend)[:, 1:]

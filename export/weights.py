@@ -193,7 +193,9 @@ class SafetensorsWeights:
         for name in expected:
             dtype = self._shard_of[name].tensors[name][0]
             if not dtype.is_floating_point:
-                raise WeightsError(f"{self.where[name]}: tensor '{name}' has dtype {dtype}; expected a float dtype")
+                raise WeightsError(f"{self.where[name]}: tensor '{name}' has dtype {dtype}; expected a float dtype "
+                                   f"(a quantized checkpoint is not read: export the float one with --weights "
+                                   f"int8|int4)")
 
     def chunks(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Iterator[torch.Tensor]:
         shard = self._shard_of[name]

@@ -12,6 +12,7 @@ from .schema import (
     ModelFacts,
     Provenance,
     TensorSpec,
+    WeightGroup,
     manifest_from_dict,
     manifest_to_dict,
     read_manifest,
@@ -20,6 +21,6 @@ from .schema import (
 
 __all__ = [
     "constants", "ManifestError", "DraftFacts", "FileEntry", "KVLayer", "KVSpec", "Manifest", "MethodSpec",
-    "ModelFacts", "Provenance", "TensorSpec", "manifest_from_dict", "manifest_to_dict", "read_manifest",
+    "ModelFacts", "Provenance", "TensorSpec", "WeightGroup", "manifest_from_dict", "manifest_to_dict", "read_manifest",
     "write_manifest",
 ]

@@ -23,6 +23,18 @@ POLICY_RING = "ring"
 POLICIES = (POLICY_FLAT, POLICY_RING)
 DTYPES = ("float32", "bfloat16")
 
+# Weight-only quantization schemes of linear layers (float: stored in the model's dtype), and the groups
+# of tensors a manifest's `weights` entries name.
+WEIGHTS_FLOAT = "float"
+WEIGHTS_INT8 = "int8"
+WEIGHTS_INT4 = "int4"
+WEIGHT_SCHEMES = (WEIGHTS_FLOAT, WEIGHTS_INT8, WEIGHTS_INT4)
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+GROUP_TARGET_LINEARS = "target.linears"  # every linear of the target's layers
+GROUP_TARGET_HEAD = "target.head"  # the LM head (also the drafter's)
+GROUP_DRAFT_LINEARS = "draft.linears"  # every linear of the drafter
+WEIGHT_GROUPS = (GROUP_TARGET_LINEARS, GROUP_TARGET_HEAD, GROUP_DRAFT_LINEARS)
+
 # Program methods.
 METHOD_FORWARD = "forward"
 METHOD_DRAFT_APPEND = "draft_append"

@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from .constants import DTYPES, FORMAT, LAYOUT_CELL, LAYOUT_SEQUENCE, LAYOUTS, POLICIES, POLICY_FLAT, POLICY_RING, VERSION
+from .constants import (
+    DTYPES, FORMAT, INT4_GROUP_SIZES, LAYOUT_CELL, LAYOUT_SEQUENCE, LAYOUTS, POLICIES, POLICY_FLAT, POLICY_RING, VERSION,
+    GROUP_DRAFT_LINEARS, GROUP_TARGET_HEAD, GROUP_TARGET_LINEARS, WEIGHT_GROUPS, WEIGHTS_FLOAT, WEIGHTS_INT4,
+    WEIGHTS_INT8,
+)
 from .errors import ManifestError
 
 
@@ -184,6 +188,32 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class WeightGroup:
+    """A group of tensors stored quantized (groups not listed are stored in `model.dtype`)."""
+
+    group: str  # target.linears | target.head | draft.linears
+    scheme: str  # int8 (per output channel) | int4 (per group of input columns, with zero points)
+    group_size: Optional[int]  # int4: input columns per scale; int8: null
+    tensors: int  # how many linears the group holds
+
+    def check(self, path: str) -> None:
+        _need(self.group in WEIGHT_GROUPS, f"{path}.group", self.group, " | ".join(WEIGHT_GROUPS))
+        _need(self.scheme in (WEIGHTS_INT8, WEIGHTS_INT4), f"{path}.scheme", self.scheme,
+              f"{WEIGHTS_INT8} | {WEIGHTS_INT4}")
+        if self.scheme == WEIGHTS_INT4:
+            _need(self.group_size in INT4_GROUP_SIZES, f"{path}.group_size", self.group_size,
+                  " | ".join(map(str, INT4_GROUP_SIZES)))
+        else:
+            _need(self.group_size is None, f"{path}.group_size", self.group_size, "null (int8 has no groups)")
+        _need(self.tensors >= 1, f"{path}.tensors", self.tensors, "an integer >= 1")
+
+
+# Keys added to version 1 after its first release: optional when read (an older manifest lacks them), and
+# written only when they differ from their default (an older reader then still reads a float artifact).
+_ADDED = {"omit_default": True}
+
+
+@dataclass(frozen=True)
 class Provenance:
     tool_version: str
     torch_version: str
@@ -200,6 +230,7 @@ class Manifest:
     methods: tuple[MethodSpec, ...]
     files: tuple[FileEntry, ...]
     provenance: Provenance
+    weights: tuple[WeightGroup, ...] = field(default=(), metadata=_ADDED)
 
     def check(self, path: str = "") -> None:
         _need(self.format == FORMAT, "format", self.format, repr(FORMAT))
@@ -216,6 +247,25 @@ class Manifest:
         _need(len(set(names)) == len(names), "methods", names, "unique method names")
         fnames = [f.name for f in self.files]
         _need(len(set(fnames)) == len(fnames), "files", fnames, "unique file names")
+        groups = [w.group for w in self.weights]
+        _need(len(set(groups)) == len(groups), "weights", groups, "each group at most once")
+        if self.draft is None:
+            _need(GROUP_DRAFT_LINEARS not in groups, "weights", groups, "no draft group without a drafter")
+
+    def weight_scheme(self, group: str) -> str:
+        """How `group`'s tensors are stored: int8 | int4 | float."""
+        return next((w.scheme for w in self.weights if w.group == group), WEIGHTS_FLOAT)
+
+    @property
+    def weights_label(self) -> str:
+        """How the weights are stored, in a few words: "float32", "int4-g128 linears, bfloat16 head", ..."""
+        if not self.weights:
+            return self.model.dtype
+        names = {GROUP_TARGET_LINEARS: "linears", GROUP_TARGET_HEAD: "head", GROUP_DRAFT_LINEARS: "drafter"}
+        parts = [f"{w.scheme}{f'-g{w.group_size}' if w.group_size else ''} {names[w.group]}" for w in self.weights]
+        if self.weight_scheme(GROUP_TARGET_HEAD) == WEIGHTS_FLOAT:
+            parts.append(f"{self.model.dtype} head")
+        return ", ".join(parts)
 
     def method(self, name: str) -> MethodSpec:
         for m in self.methods:
@@ -293,6 +343,8 @@ def _parse_dataclass(cls: type, value: Any, path: str) -> Any:
     for f in dataclasses.fields(cls):
         sub = f"{path}.{f.name}" if path else f.name
         if f.name not in value:
+            if f.metadata.get("omit_default"):
+                continue  # a key added later: its default
             raise ManifestError(f"missing key '{sub}' ({_type_name(hints[f.name])})")
         kwargs[f.name] = _parse(hints[f.name], value[f.name], sub)
     obj = cls(**kwargs)
@@ -303,7 +355,8 @@ def _parse_dataclass(cls: type, value: Any, path: str) -> Any:
 
 def _to_json(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: _to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_default") and getattr(obj, f.name) == f.default)}
     if isinstance(obj, (tuple, list)):
         return [_to_json(v) for v in obj]
     if isinstance(obj, dict):

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 import mg.kernels  # noqa: F401  (registers the mg:: op schemas the program names)
+from mg.kernels import quant
 from mg.kernels.ops import op_names
 from mg.manifests import Manifest, ManifestError, constants as C, read_manifest
 from mg.manifests.values import (draft_constant_values, sha256_file, stamped_sha256, target_constant_values,
@@ -27,7 +28,7 @@ from mg.manifests.values import (draft_constant_values, sha256_file, stamped_sha
 from .data_file import DataFileError
 from .program import Program, ProgramError
 
-CUSTOM_OPS = op_names()  # bound per model runner to its own caches
+CUSTOM_OPS = op_names() + quant.op_names()  # bound per model runner (its caches; the quantized linears' kernels)
 
 
 class ArtifactError(ValueError):

@@ -43,7 +43,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from mg.kernels import ops as mg_ops
+from mg.kernels import ops as mg_ops, quant
 from mg.manifests.values import cache_root, write_cache_file
 
 from .program import Program, first_line
@@ -59,11 +59,11 @@ _LOADED: dict[str, Callable] = {}
 @functools.lru_cache(maxsize=None)
 def _sources_hash() -> str:
     """What the traced graph depends on besides the program and torch: the interpreter, its op table, this
-    tracing code and the `mg::` op schemas."""
+    tracing code and the `mg::` op schemas (attention and quantized linears)."""
     from . import program, program_ops
 
     h = hashlib.sha256()
-    for module in (program, program_ops, sys.modules[__name__], mg_ops):
+    for module in (program, program_ops, sys.modules[__name__], mg_ops, quant):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:32]
 

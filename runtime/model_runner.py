@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mg.kernels import ops as mg_ops
+from mg.kernels import ops as mg_ops, quant
 from mg.manifests import constants as C
 
 from .artifact import Artifact
@@ -86,7 +86,8 @@ class ModelRunner:
         if config.use_triton is not None:
             self.cache.use_triton = triton_enabled(self.device, config.use_triton)
         self.counters = GraphCounters()
-        self.ops: dict[str, Callable] = {_qualified(mg_ops.UPDATE_AND_ATTEND): self.cache.update_and_attend}
+        self.ops: dict[str, Callable] = {_qualified(mg_ops.UPDATE_AND_ATTEND): self.cache.update_and_attend,
+                                         **quant.kernels(self.device)}
         self._plans = {C.METHOD_FORWARD: _Plan(C.METHOD_FORWARD, kv.max_write, self._blank_forward, self.cache,
                                                _cut_forward)}
         self.draft_cache: Optional[KVCache] = None

@@ -48,10 +48,12 @@ class Summary:
     graph_captures: int = 0
     graph_replays: int = 0
     recaptures: int = 0
+    weights: str = ""  # how the artifact stores its weights (`Manifest.weights_label`)
 
     def line(self) -> str:
         cache = {"sequence": "kBatchedSequence", "cell": "kBatchedCell"}[self.layout]
-        text = (f"mg-run: {cache} on {self.device}: {self.requests} requests ({self.failed} failed), "
+        stored = f", {self.weights} weights" if self.weights else ""
+        text = (f"mg-run: {cache} on {self.device}{stored}: {self.requests} requests ({self.failed} failed), "
                 f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in {self.steps} steps, "
                 f"{self.wall_s:.2f}s, {self.tokens_per_s:.1f} tokens/s")
         if self.dflash:
@@ -78,7 +80,7 @@ def _summary(layout: str, n: int, failed: int, engine: Engine) -> Summary:
                    rounds=spec.rounds, drafted_tokens=spec.drafted_tokens, accepted_tokens=spec.accepted_tokens,
                    mean_acceptance_length=spec.mean_acceptance_length, chosen_k_hist=tuple(spec.chosen_k_hist),
                    cuda_graphs=config.graphs, graph_captures=graphs.captures, graph_replays=graphs.replays,
-                   recaptures=graphs.recaptures)
+                   recaptures=graphs.recaptures, weights=engine.runner.artifact.manifest.weights_label)
 
 
 def _seeded(item):

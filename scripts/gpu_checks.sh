@@ -27,7 +27,7 @@ steps=("$@")
 status=0
 for step in "${steps[@]}"; do
     case "$step" in
-        tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/runtime 2>&1 | tee "$OUT/cuda_tests.log" ;;
+        tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/runtime tests/export/test_quantize.py 2>&1 | tee "$OUT/cuda_tests.log" ;;
         attention) python3 scripts/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" ;;
         decode) python3 scripts/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.md" ;;
         eval) python3 scripts/eval_dflash.py --device cuda --out "$OUT/eval_dflash_cuda.json" 2>&1 \

@@ -1,0 +1,191 @@
+"""Weight-only quantized linears: the `mg::` op schemas, the quantizers, torch references and CPU kernels.
+
+Schemes (docs/ARCHITECTURE.md, "Quantized weights"); W is the float weight [N, K] of `y = x W^T`:
+
+- int8: per output channel, symmetric. `weight_q` int8 [N, K], `scale` [N] (the model's float dtype):
+  W ~ weight_q * scale[:, None], with scale = max |W[n, :]| / 127.
+- int4: per group of `group_size` consecutive input columns, asymmetric. `weight_q` uint8 [N, K / 2]
+  (column 2j in the low nibble of byte j, column 2j + 1 in the high nibble), `scale` and `zero` [N, K / G]
+  (float): W ~ q * scale + zero with q in [0, 15], zero = the group's minimum, scale = its range / 15.
+
+`mg::linear_int8(x, weight_q, scale)` and `mg::linear_int4(x, weight_q, scale, zero, group_size)` compute
+`x W~^T` for x [..., K]. Their registered implementation is the torch reference (dequantize, then a matmul
+in x's dtype), unless the calling thread serves `mg::` ops with a table that names them (`ops.serving`):
+the runtime binds the fast kernels that way. `kernels(cpu)` are torch's packed CPU kernels
+(`_weight_int8pack_mm`, and `_weight_int4pack_mm_for_cpu` on a layout built once per weight at first use),
+computing in bfloat16 (the only activation dtype they are fast with) and returning x's dtype.
+Knows nothing about models, ExecuTorch or the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mg.manifests.constants import WEIGHTS_INT4 as SCHEME_INT4, WEIGHTS_INT8 as SCHEME_INT8
+
+from . import ops
+
+LINEAR_INT8 = "linear_int8"
+LINEAR_INT4 = "linear_int4"
+
+_INT8_ARGS = "Tensor x, Tensor weight_q, Tensor scale"
+_INT4_ARGS = "Tensor x, Tensor weight_q, Tensor scale, Tensor zero, int group_size"
+ops._lib.define(f"{LINEAR_INT8}({_INT8_ARGS}) -> Tensor")
+ops._lib.define(f"{LINEAR_INT8}.out({_INT8_ARGS}, *, Tensor(a!) out) -> Tensor(a!)")
+ops._lib.define(f"{LINEAR_INT4}({_INT4_ARGS}) -> Tensor")
+ops._lib.define(f"{LINEAR_INT4}.out({_INT4_ARGS}, *, Tensor(a!) out) -> Tensor(a!)")
+
+
+# ------------------------------------------------------------------ quantizers (export) and references
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a float weight [n, K] -> (int8 [n, K], scale [n] float32)."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of a float weight [n, K] (K a multiple of `group_size`, which is even) -> (packed uint8 [n, K/2],
+    scale [n, K/G] float32, zero [n, K/G] float32)."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return pack_int4(q), scale, lo
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values in [0, 15] [n, K] -> [n, K/2]: column 2j low nibble, 2j + 1 high."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[n, K/2] uint8 -> [n, K] uint8 values in [0, 15]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int8(weight_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (weight_q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
+
+
+def dequantize_int4(weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    q = unpack_int4(weight_q).to(torch.float32)
+    n, k = q.shape
+    w = q.reshape(n, k // group_size, group_size) * scale.float()[..., None] + zero.float()[..., None]
+    return w.reshape(n, k).to(dtype)
+
+
+def linear_int8_ref(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, dequantize_int8(weight_q, scale, x.dtype))
+
+
+def linear_int4_ref(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    return F.linear(x, dequantize_int4(weight_q, scale, zero, group_size, x.dtype))
+
+
+# ------------------------------------------------------------------ registration
+
+
+def _served_or(name: str, reference: Callable, out: bool):
+    key = f"{ops.NAMESPACE}::{name}"
+
+    def fn(*args, **kwargs):
+        table = getattr(ops._serving, "table", None)
+        impl = reference if table is None else table.get(key, reference)
+        result = impl(*args)
+        return kwargs["out"].copy_(result) if out else result
+    return fn
+
+
+for _name, _ref in ((LINEAR_INT8, linear_int8_ref), (LINEAR_INT4, linear_int4_ref)):
+    ops._lib.impl(_name, _served_or(_name, _ref, False), "CompositeExplicitAutograd")
+    ops._lib.impl(f"{_name}.out", _served_or(_name, _ref, True), "CompositeExplicitAutograd")
+
+
+def _linear_shape(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.register_fake(f"{ops.NAMESPACE}::{LINEAR_INT8}")
+def _linear_int8_fake(x, weight_q, scale):
+    return _linear_shape(x, weight_q.shape[0])
+
+
+@torch.library.register_fake(f"{ops.NAMESPACE}::{LINEAR_INT8}.out")
+def _linear_int8_out_fake(x, weight_q, scale, *, out):
+    return out
+
+
+@torch.library.register_fake(f"{ops.NAMESPACE}::{LINEAR_INT4}")
+def _linear_int4_fake(x, weight_q, scale, zero, group_size):
+    return _linear_shape(x, weight_q.shape[0])
+
+
+@torch.library.register_fake(f"{ops.NAMESPACE}::{LINEAR_INT4}.out")
+def _linear_int4_out_fake(x, weight_q, scale, zero, group_size, *, out):
+    return out
+
+
+def op_names() -> tuple[str, ...]:
+    return tuple(f"{ops.NAMESPACE}::{n}" for n in (LINEAR_INT8, LINEAR_INT4))
+
+
+# ------------------------------------------------------------------ CPU kernels
+
+
+# torch's packed CPU kernels are fast with bfloat16 activations only (with float32 ones they take a slow path,
+# 5-40x slower than a float32 matmul at these sizes, measured): they compute in bfloat16, whatever x is.
+_CPU_COMPUTE = torch.bfloat16
+
+
+def _int8_cpu(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).to(_CPU_COMPUTE)
+    y = torch.ops.aten._weight_int8pack_mm(rows, weight_q, _cpu_scale(scale))
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight_q.shape[0])
+
+
+def _cpu_scale(scale: torch.Tensor) -> torch.Tensor:
+    """`scale` in the compute dtype, converted once per tensor (kept on it)."""
+    cached = getattr(scale, "_mg_cpu", None)
+    if cached is None:
+        cached = scale.to(_CPU_COMPUTE)
+        scale._mg_cpu = cached
+    return cached
+
+
+def _int4_cpu_layout(weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """The packed layout and scales/zeros of `_weight_int4pack_mm_for_cpu`, built once per weight and kept on
+    the weight tensor. That kernel dequantizes as (q - 8) * s + z, so z = zero + 8 * scale."""
+    cached = getattr(weight_q, "_mg_int4_cpu", None)
+    if cached is None:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(weight_q).to(torch.int32), 1)
+        sz = torch.stack((scale.float().t(), (zero.float() + 8 * scale.float()).t()), dim=-1)
+        cached = (packed, sz.to(_CPU_COMPUTE).contiguous())
+        weight_q._mg_int4_cpu = cached
+    return cached
+
+
+def _int4_cpu(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              group_size: int) -> torch.Tensor:
+    packed, sz = _int4_cpu_layout(weight_q, scale, zero)
+    rows = x.reshape(-1, x.shape[-1]).to(_CPU_COMPUTE)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, sz)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight_q.shape[0])
+
+
+def kernels(device: torch.device) -> dict[str, Callable]:
+    """The quantized linears' implementations for `device`, by qualified name: torch's packed kernels on
+    CPU; elsewhere the references (no fused kernel yet: they dequantize each weight per call)."""
+    names = op_names()
+    if device.type == "cpu":
+        return dict(zip(names, (_int8_cpu, _int4_cpu)))
+    return dict(zip(names, (linear_int8_ref, linear_int4_ref)))

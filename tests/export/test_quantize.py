@@ -1,0 +1,272 @@
+"""Weight-only quantization: quantizers, references and CPU kernels, the export, the runtime, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mg.export.cli import main as export_main
+from mg.export.config import PRESETS
+from mg.export.model import MuseGlimmer, init_random
+from mg.export.quantize import QuantizedWeights, quantize_linears
+from mg.export.reference import ReferenceKV
+from mg.export.weights import RandomWeights, materialize
+from mg.kernels import ops, quant
+from mg.manifests import ManifestError, constants as C, manifest_from_dict, read_manifest
+from mg.runtime.artifact import CUSTOM_OPS, load_artifact
+from mg.runtime.config import RunConfig
+from mg.runtime.engine import Engine
+from mg.runtime.program import Program
+from mg.runtime.scheduler import Request
+
+CFG = PRESETS["tiny"]
+ATTEND = "mg::update_and_attend"
+
+
+def _weight(n=48, k=128, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+# ------------------------------------------------------------------ quantizers, references, kernels
+
+
+def test_int8_and_int4_round_trip_within_half_a_step():
+    w = _weight()
+    q, scale = quant.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    err = (quant.dequantize_int8(q, scale, torch.float32) - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()
+    packed, scale4, zero = quant.quantize_int4(w, 32)
+    assert packed.shape == (48, 64) and packed.dtype == torch.uint8 and scale4.shape == zero.shape == (48, 4)
+    err = (quant.dequantize_int4(packed, scale4, zero, 32, torch.float32) - w).abs().reshape(48, 4, 32)
+    assert (err <= scale4[..., None] / 2 + 1e-6).all()
+    values = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(quant.unpack_int4(quant.pack_int4(values)), values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernels_match_the_references(dtype):
+    tol = 2e-2  # the kernels compute in bfloat16 whatever the activations' dtype
+    w = _weight(n=96, k=256)
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    kernels = quant.kernels(torch.device("cpu"))
+    q, scale = quant.quantize_int8(w)
+    scale = scale.to(dtype)
+    want = quant.linear_int8_ref(x, q, scale).float()
+    got = kernels["mg::linear_int8"](x, q, scale).float()
+    assert got.shape == (2, 5, 96) and (got - want).abs().max() <= tol * want.abs().max()
+    for group in (32, 128):
+        packed, s4, z4 = (t.to(dtype) if t.is_floating_point() else t for t in quant.quantize_int4(w, group))
+        want = quant.linear_int4_ref(x, packed, s4, z4, group).float()
+        got = kernels["mg::linear_int4"](x, packed, s4, z4, group).float()
+        assert got.shape == (2, 5, 96) and (got - want).abs().max() <= tol * want.abs().max()
+
+
+def test_ops_run_the_reference_unless_a_served_table_names_them():
+    w, x = _weight(), torch.randn(3, 128)
+    q, scale = quant.quantize_int8(w)
+    assert torch.equal(torch.ops.mg.linear_int8(x, q, scale), quant.linear_int8_ref(x, q, scale))
+    calls = []
+    with ops.serving({"mg::linear_int8": lambda *a: calls.append(a) or torch.zeros(3, 48)}):
+        assert torch.equal(torch.ops.mg.linear_int8(x, q, scale), torch.zeros(3, 48))
+    assert len(calls) == 1
+
+
+# ------------------------------------------------------------------ export and runtime
+
+
+def _export(out, *args):
+    res = CliRunner().invoke(export_main, ["--preset", "tiny", "--max-kv-seqs", "3", "--max-context", "96",
+                                           "--max-write", "24", "-o", str(out), *args])
+    return res
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """The tiny preset with its drafter: float, int8, and int4 (groups of 32) with the head quantized."""
+    root = tmp_path_factory.mktemp("quant")
+    out = {}
+    for name, args in (("float", []), ("int8", ["--weights", "int8"]),
+                       ("int4", ["--weights", "int4", "--group-size", "32", "--quantize-head"])):
+        res = _export(root / name, "--draft-preset", "tiny", *args)
+        assert res.exit_code == 0, res.output
+        out[name] = root / name
+    return out
+
+
+def _eager(scheme, group_size, head):
+    model = init_random(MuseGlimmer(CFG), 0).eval()
+    plan = quantize_linears(model, scheme, group_size, frozenset() if head else frozenset({"output"}),
+                            device="cpu")
+    return materialize(QuantizedWeights(RandomWeights(0), plan), model)
+
+
+def _prompt():
+    tokens = torch.randint(0, CFG.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(12), torch.arange(8)])
+    slots = torch.cat([torch.zeros(12, dtype=torch.long), torch.ones(8, dtype=torch.long)])
+    return tokens, positions, slots, torch.tensor([11, 19])
+
+
+@pytest.mark.parametrize("name,scheme,group_size,head", [("int8", "int8", None, False), ("int4", "int4", 32, True)])
+def test_quantized_forward_matches_the_eager_quantized_model(artifacts, name, scheme, group_size, head):
+    art = artifacts[name]
+    references = {"mg::linear_int8": quant.linear_int8_ref, "mg::linear_int4": quant.linear_int4_ref}
+    table = {**{name: None for name in CUSTOM_OPS}, ATTEND: ReferenceKV(CFG), **references}
+    prog = Program.load(art / C.PROGRAM_FILE, data_path=art / C.WEIGHTS_FILE, custom_ops=table)
+    ops_used = set(prog.info("forward").operators)
+    assert f"mg::linear_{scheme}" in {o.split(".")[0] for o in ops_used}
+    got = prog.run("forward", list(_prompt()))[0]
+    want, _ = _eager(scheme, group_size, head)(*_prompt(), ReferenceKV(CFG))
+    assert (got - want).abs().max() <= 1e-5  # the lowering is exact (the kernels: tested against the references)
+
+
+@pytest.mark.parametrize("scheme,agreement,max_diff", [("int8", 0.97, 0.5), ("int4", 0.85, 4.0)])
+def test_quantized_embedded_default_predicts_like_the_float_model(scheme, agreement, max_diff):
+    """Next-token predictions over held-out text (the trained embedded default; a random model is too
+    chaotic to say anything): the quantized target's argmax agrees with the float one's, logits stay close."""
+    from mg.export.artifact import default_checkpoints
+    from mg.export.checkpoint import load_config
+    from mg.export.config import MuseGlimmerConfig
+    from mg.export.weights import SafetensorsWeights
+    from mg.runtime.tokenizer import TextCodec
+
+    ckpt, _ = default_checkpoints()
+    cfg = load_config(ckpt, MuseGlimmerConfig)
+
+    def model(quantize):
+        m = MuseGlimmer(cfg).eval()
+        source = SafetensorsWeights(ckpt)
+        if quantize:
+            source = QuantizedWeights(source, quantize_linears(m, scheme, 128 if scheme == "int4" else None,
+                                                               frozenset({"output"}), device="cpu"))
+        materialize(source, m)
+        source.close()
+        return m
+
+    codec = TextCodec(ckpt / C.TOKENIZER_FILE, cfg.bos_id)
+    rows = [json.loads(line) for line in (Path(__file__).parents[1] / "data" / "heldout_prompts.jsonl")
+            .read_text().splitlines()[:4]]
+    base, quantized = model(False), model(True)
+    agree = total = 0
+    worst = 0.0
+    with torch.no_grad():
+        for row in rows:
+            t = torch.tensor(codec.encode(row["prompt"]))
+            args = (t, torch.arange(len(t)), torch.zeros(len(t), dtype=torch.long), torch.arange(len(t)))
+            a, b = base(*args, ReferenceKV(cfg))[0], quantized(*args, ReferenceKV(cfg))[0]
+            agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
+            total += len(t)
+            worst = max(worst, (a - b).abs().max().item())
+    assert agree / total >= agreement and worst <= max_diff, (agree / total, worst)
+
+
+def test_manifest_records_the_quantized_groups_and_weights_shrink(artifacts):
+    float_m = read_manifest(artifacts["float"] / C.MANIFEST_FILE)
+    assert float_m.weights == () and float_m.weight_scheme(C.GROUP_TARGET_LINEARS) == "float"
+    assert "weights" not in json.loads((artifacts["float"] / C.MANIFEST_FILE).read_text())  # older readers
+    int8 = read_manifest(artifacts["int8"] / C.MANIFEST_FILE)
+    assert [(w.group, w.scheme, w.group_size) for w in int8.weights] == [
+        (C.GROUP_TARGET_LINEARS, "int8", None), (C.GROUP_DRAFT_LINEARS, "int8", None)]
+    assert int8.weights[0].tensors == 4 * CFG.n_layers  # qkvg, o, gate_up, down per layer
+    int4 = read_manifest(artifacts["int4"] / C.MANIFEST_FILE)
+    assert {w.group: (w.scheme, w.group_size) for w in int4.weights} == {
+        C.GROUP_TARGET_LINEARS: ("int4", 32), C.GROUP_TARGET_HEAD: ("int4", 32), C.GROUP_DRAFT_LINEARS: ("int4", 32)}
+    sizes = {n: (a / C.WEIGHTS_FILE).stat().st_size for n, a in artifacts.items()}
+    assert sizes["int4"] < sizes["int8"] < 0.6 * sizes["float"]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantized_artifacts_generate_and_dflash_stays_lossless(artifacts, name):
+    art = load_artifact(artifacts[name])
+    prompts = [tuple(range(5 + i, 17 + 2 * i)) for i in range(3)]
+
+    def tokens(config):
+        reqs = [Request(f"r{i}", p, 16, ignore_eos=True) for i, p in enumerate(prompts)]
+        return [r.tokens for r in Engine(art, config).run(reqs)]
+
+    plain = tokens(RunConfig(dflash=False))
+    assert all(len(t) == 16 for t in plain)
+    assert tokens(RunConfig(speculation="fixed")) == plain
+    assert tokens(RunConfig()) == plain
+
+
+def test_manifest_weight_groups_are_checked():
+    base = json.loads(json.dumps({"group": "target.linears", "scheme": "int4", "group_size": 32, "tensors": 4}))
+    from mg.manifests.schema import WeightGroup, _parse_dataclass
+
+    assert _parse_dataclass(WeightGroup, base, "weights[0]").group_size == 32
+    for key, value, allowed in (("scheme", "int3", "int8 | int4"), ("group_size", 48, "32 | 64 | 128 | 256"),
+                                ("group", "embeddings", "target.linears")):
+        with pytest.raises(ManifestError, match=allowed):
+            _parse_dataclass(WeightGroup, {**base, key: value}, "weights[0]")
+    with pytest.raises(ManifestError, match="null"):
+        _parse_dataclass(WeightGroup, {**base, "scheme": "int8"}, "weights[0]")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--weights", "int4"], "--group-size 128 does not divide the input width 64 of layers.0.attn.qkvg_proj"),
+    (["--weights", "int3"], "--weights is 'int3'; allowed: float | int8 | int4"),
+    (["--weights", "int8", "--group-size", "32"], "--group-size applies to --weights int4 only"),
+    (["--weights", "int4", "--group-size", "48"], "--group-size is 48; allowed: 32 | 64 | 128 | 256"),
+    (["--quantize-head"], "--quantize-head needs --weights int8 or int4"),
+])
+def test_bad_quantization_options_are_refused_in_one_line_writing_nothing(tmp_path, args, message):
+    res = _export(tmp_path / "out", *args)
+    assert res.exit_code == 2
+    lines = res.output.strip().splitlines()
+    assert lines[-1].startswith("mg-export: error: ") and message in lines[-1], res.output
+    assert not (tmp_path / "out").exists() and not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")),
+                    reason="needs a C++ compiler (Inductor's CPU backend)")
+def test_compiled_quantized_forward_generates_what_the_interpreter_does(artifacts):
+    """The quantized linears stay opaque calls in compiled code, served by the same CPU kernels."""
+    prompts = [tuple(range(5 + i, 17 + 2 * i)) for i in range(3)]
+    runs = {}
+    for compile_ in (False, True):
+        engine = Engine(load_artifact(artifacts["int4"]), RunConfig(dflash=False, compile=compile_, pad_steps=True))
+        runs[compile_] = [r.tokens for r in engine.run([Request(f"r{i}", p, 12, ignore_eos=True)
+                                                         for i, p in enumerate(prompts)])]
+        assert bool(engine.runner.compiled_methods) == compile_
+    assert runs[True] == runs[False]
+
+
+def test_a_quantized_checkpoint_is_refused_in_one_line(tmp_path, tiny_cfg, tiny_model):
+    from safetensors.torch import save_file
+
+    from mg.export.checkpoint import WEIGHTS_FILE, save_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, tiny_cfg, tiny_model)
+    state = {k: v.detach().contiguous() for k, v in tiny_model.named_parameters()}
+    state["layers.0.attn.o_proj.weight"] = quant.quantize_int8(state["layers.0.attn.o_proj.weight"])[0]
+    save_file(state, str(ckpt / WEIGHTS_FILE))
+    res = CliRunner().invoke(export_main, ["--checkpoint", str(ckpt), "--weights", "int8", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and not (tmp_path / "o").exists()
+    assert "tensor 'layers.0.attn.o_proj.weight' has dtype torch.int8; expected a float dtype" in res.output
+    assert res.output.strip().splitlines()[-1].startswith("mg-export: error: ")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantized_artifacts_on_cuda_graphs_equal_eager_and_dflash_is_lossless(artifacts, name):
+    art = load_artifact(artifacts[name], device="cuda")
+    prompts = [tuple(range(5 + i, 17 + 2 * i)) for i in range(3)]
+
+    def tokens(**kw):
+        reqs = [Request(f"r{i}", p, 16, ignore_eos=True) for i, p in enumerate(prompts)]
+        return [r.tokens for r in Engine(art, RunConfig(device="cuda", compile=False, **kw)).run(reqs)]
+
+    eager = tokens(dflash=False, cuda_graphs=False)
+    assert tokens(dflash=False) == eager
+    assert tokens(speculation="fixed") == eager
