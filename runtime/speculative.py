@@ -46,6 +46,7 @@ section 6.5.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import heapq
 import json
@@ -55,6 +56,7 @@ from typing import Optional, Protocol
 
 import torch
 
+import mg.kernels as mg_kernels
 from mg.manifests import constants as C
 from mg.manifests.values import cache_root, write_cache_file
 
@@ -310,11 +312,23 @@ PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at 
 _COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
 
 
+@functools.lru_cache(maxsize=None)
+def _code_digest() -> str:
+    """A hash of the code that runs the timed methods (the runtime's and the kernels' sources): a newer
+    toolchain measures again instead of trusting an older one's times (a faster kernel, say)."""
+    h = hashlib.sha256()
+    for package in (Path(__file__).resolve().parent, Path(mg_kernels.__file__).resolve().parent):
+        for path in sorted(package.glob("*.py")):
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _tables_path(key: tuple, device: torch.device) -> Path:
     """Where measured tables persist between processes: keyed by the program, the run settings, the device
-    (CUDA: its name; CPU: torch's thread count) and the torch version."""
+    (CUDA: its name; CPU: torch's thread count), the torch version and the runtime's code."""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}"
-    digest = hashlib.sha256(json.dumps([*map(str, key), where, torch.__version__]).encode()).hexdigest()[:32]
+    digest = hashlib.sha256(json.dumps([*map(str, key), where, torch.__version__, _code_digest()])
+                            .encode()).hexdigest()[:32]
     return cache_root() / "cost-tables" / f"{digest}.json"
 
 

@@ -474,3 +474,11 @@ def test_cost_tables_are_kept_for_the_next_process_and_remeasured_when_unreadabl
     S._COST_TABLES.clear()
     Engine(art)
     assert len(measured) == 6
+
+
+def test_cost_tables_are_measured_again_by_newer_code(monkeypatch):
+    key, cpu = ("digest", "cpu", False, False, False, None), torch.device("cpu")
+    before = spec_module._tables_path(key, cpu)
+    assert spec_module._tables_path(key, cpu) == before
+    monkeypatch.setattr(spec_module, "_code_digest", lambda: "another version of the runtime")
+    assert spec_module._tables_path(key, cpu) != before
