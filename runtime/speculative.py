@@ -24,9 +24,10 @@ drafts, `draft_block` at the drafting batch and `draft_append` of the rows
 waiting. Those times come from the model runner's per-bucket measurements
 on blank inputs (taken once per program, device and mode, when the first
 engine starts, and kept in the tools' cache folder for later processes: the
-same program on the same device and torch skips the ~1 s of measuring), moved towards every timed call where calls are synchronous (CPU),
-plus a residual for what no table holds (host work per step), kept apart for
-steps with and without drafts. Draft rows go one at a time, highest expected gain
+same program on the same device, torch and runtime code skips the ~1 s of
+measuring), moved towards every timed call where calls are synchronous
+(CPU), plus a residual for what no table holds (host work per step), kept
+apart for steps with and without drafts. Draft rows go one at a time, highest expected gain
 first (`prod_{l<=j} a_l` decreases in j, so each sequence's rows go in
 order), and the round keeps the prefix with the most tokens per second, so
 each sequence drafts only where it pays. Estimates: per sequence, decayed
