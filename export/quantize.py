@@ -126,15 +126,18 @@ class QuantizedWeights:
             for q, *rest in self._quantized(base, planned):
                 side.append(rest)
                 yield q.reshape(-1)
-            self._side[base] = {p: torch.cat(col) for p, col in zip(spec.parts[1:], zip(*side))}
+            self._keep_side(base, spec, side)
         else:
             if base not in self._side:  # asked before the weight: quantize once more, keeping only the side
-                cols = list(zip(*[rest for _, *rest in self._quantized(base, planned)]))
-                self._side[base] = {p: torch.cat(col) for p, col in zip(spec.parts[1:], cols)}
+                self._keep_side(base, spec, [rest for _, *rest in self._quantized(base, planned)])
             value = self._side[base].pop(part)
             if not self._side[base]:
                 del self._side[base]
             yield value.to(dtype).reshape(-1)
+
+    def _keep_side(self, base: str, spec: QuantSpec, side: list) -> None:
+        """Keep the scale (and zero) rows of every chunk, joined, until they are served."""
+        self._side[base] = {p: torch.cat(col) for p, col in zip(spec.parts[1:], zip(*side))}
 
     def _quantized(self, base: str, planned: PlannedLinear) -> Iterator[tuple[torch.Tensor, ...]]:
         """(q rows, scale rows[, zero rows]) per row chunk of `<base>.weight`."""

@@ -13,7 +13,8 @@ is the drafter's op (see `draft_ops` below).
 Only schemas, fake (shape) implementations and `.out` variants live here: the
 graph names the layer and the runtime binds storage. A call of the registered
 op (e.g. from compiled code) goes to the callable the runtime bound for the
-calling thread with `serving(table)`; without one it raises a clear error.
+calling thread with `serving(table)`; without one, the op's torch reference when it has one (the quantized
+linears, `mg.kernels.quant`), else a clear error.
 Knows nothing about caches' internals.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 from torch.library import Library
@@ -64,12 +65,14 @@ def serving(table: Mapping[str, Callable]) -> Iterator[None]:
         _serving.table = previous
 
 
-def _dispatch(name: str, out: bool):
+def _dispatch(name: str, out: bool, fallback: Optional[Callable] = None):
+    """The registered implementation of `mg::name` (`.out` when `out`): the calling thread's served callable,
+    else `fallback` (a torch reference), else a clear error."""
     key = f"{NAMESPACE}::{name}"
 
     def fn(*args, **kwargs):
         table = getattr(_serving, "table", None)
-        impl = None if table is None else table.get(key)
+        impl = (None if table is None else table.get(key)) or fallback
         if impl is None:
             raise RuntimeError(
                 f"mg::{name} attends over a runtime-owned KV cache; run it through mg.runtime "

@@ -95,20 +95,9 @@ def linear_int4_ref(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor
 # ------------------------------------------------------------------ registration
 
 
-def _served_or(name: str, reference: Callable, out: bool):
-    key = f"{ops.NAMESPACE}::{name}"
-
-    def fn(*args, **kwargs):
-        table = getattr(ops._serving, "table", None)
-        impl = reference if table is None else table.get(key, reference)
-        result = impl(*args)
-        return kwargs["out"].copy_(result) if out else result
-    return fn
-
-
 for _name, _ref in ((LINEAR_INT8, linear_int8_ref), (LINEAR_INT4, linear_int4_ref)):
-    ops._lib.impl(_name, _served_or(_name, _ref, False), "CompositeExplicitAutograd")
-    ops._lib.impl(f"{_name}.out", _served_or(_name, _ref, True), "CompositeExplicitAutograd")
+    ops._lib.impl(_name, ops._dispatch(_name, False, _ref), "CompositeExplicitAutograd")
+    ops._lib.impl(f"{_name}.out", ops._dispatch(_name, True, _ref), "CompositeExplicitAutograd")
 
 
 def _linear_shape(x: torch.Tensor, n: int) -> torch.Tensor:
