@@ -157,6 +157,9 @@ class MethodCompiler:
 
     def _variant(self, method: str, variant: str, inputs: list, table: Mapping[str, Callable]) -> _Variant:
         t0 = time.perf_counter()
+        # On the compiler's device (blank inputs are host tensors), distinct tensors: one graph input each.
+        # Tracing and Inductor both see these: example inputs on another device than the weights fail there.
+        inputs = [x.to(self.device).clone() for x in inputs]
         key = dict(self._env, method=method, variant=variant, rows=int(inputs[0].shape[0]))
         stem = self.cache_dir / f"{method}-{variant}"
         entry = self._entry(stem, key)
@@ -187,7 +190,6 @@ class MethodCompiler:
         constants lifted to leading inputs: (graph module, constants)."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        inputs = [x.to(self.device).clone() for x in inputs]  # distinct tensors: one graph input each
         trace_ops = {name: registered_op(name) for name in table}
         gm = make_fx(lambda *xs: self.program.run(method, list(xs), ops=trace_ops),
                      tracing_mode="symbolic" if variant == "n" else "fake", _allow_non_fake_inputs=True)(*inputs)
