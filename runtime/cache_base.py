@@ -68,8 +68,7 @@ class KVCache(abc.ABC):
         self.scratch_slot = n_slots
         self.capacity = spec.capacity
         self.max_write = spec.max_write
-        self._length = [0] * (n_slots + 1)  # host mirror; the scratch slot stays 0
-        self._lengths_dev = torch.zeros(n_slots + 1, dtype=torch.int64, device=self.device)
+        self._length = [0] * (n_slots + 1)  # the committed lengths; the scratch slot stays 0
         self._growths = 0
         self._version = 0
 
@@ -82,7 +81,6 @@ class KVCache(abc.ABC):
         self._apply_step(plan)
         for slot, (_, last) in plan.spans.items():
             self._length[slot] = max(self._length[slot], last + 1)
-        self._sync_lengths()
 
     @abc.abstractmethod
     def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -111,8 +109,15 @@ class KVCache(abc.ABC):
         return self._length[slot]
 
     def lengths(self) -> torch.Tensor:
-        """Committed lengths on the device, [n_slots + 1] int64 (the scratch slot's is 0)."""
-        return self._lengths_dev
+        """Committed lengths on the device, [n_slots + 1] int64 (the scratch slot's is 0): a copy made now.
+        The host holds the lengths; no kernel reads them, so steps never copy them to the device."""
+        return torch.tensor(self._length, dtype=torch.int64).to(self.device)
+
+    def reserve(self) -> None:
+        """Allocate storage at its declared size now, so that it never moves later (a CUDA graph replays
+        fixed addresses: growth would capture every graph of this cache again, mid-run). Raises
+        torch.OutOfMemoryError when the device lacks the memory; the cache stays usable (it grows as before)."""
+        self._reserve()
 
     def rewind(self, slot: int, new_length: int) -> None:
         """Drop positions >= new_length of `slot`."""
@@ -136,7 +141,6 @@ class KVCache(abc.ABC):
         self._check_keeps(src, length, f"clone of slot {src} at length {length}")
         self._copy_prefix(src, dst, length)
         self._length[dst] = length
-        self._sync_lengths()
 
     def release(self, slot: int) -> None:
         """Free a finished sequence."""
@@ -198,10 +202,6 @@ class KVCache(abc.ABC):
     def _set_length(self, slot: int, new_length: int) -> None:
         self._truncate(slot, new_length)
         self._length[slot] = new_length
-        self._sync_lengths()
-
-    def _sync_lengths(self) -> None:
-        self._lengths_dev.copy_(torch.tensor(self._length, dtype=torch.int64))
 
     # ------------------------------------------------------------------ layout hooks
 
@@ -216,6 +216,10 @@ class KVCache(abc.ABC):
     @abc.abstractmethod
     def _check_keeps(self, slot: int, length: int, action: str) -> None:
         """Raise CacheError unless `slot` still holds what a query at position `length` needs."""
+
+    @abc.abstractmethod
+    def _reserve(self) -> None:
+        """Grow storage (and whatever a captured read bakes in) to the largest size it can ever need."""
 
     @abc.abstractmethod
     def _truncate(self, slot: int, new_length: int) -> None:

@@ -136,7 +136,7 @@ class BatchedCellCache(KVCache):
         placed = [(slot, pos, self._take(slot, pos)) for slot, pos in plan.tokens
                   if not self._owned_alone(slot, pos)]
         if placed:
-            slots, positions, cells = (torch.tensor(col, dtype=torch.int64, device=self.device)
+            slots, positions, cells = (torch.tensor(col, dtype=torch.int64).to(self.device, non_blocking=True)
                                        for col in zip(*placed))
             self.cell_table[slots, positions] = cells
 
@@ -154,6 +154,11 @@ class BatchedCellCache(KVCache):
         self._refs[cell] -= 1
         if self._refs[cell] == 0:
             heapq.heappush(self._free, cell)
+
+    def _reserve(self) -> None:
+        if self.read_span < self.capacity:  # pools never move; a read span baked into a graph would grow
+            self.read_span = self.capacity
+            self._version += self._span_read
 
     def _check_keeps(self, slot: int, length: int, action: str) -> None:
         """Cells keep every position until it is rewound: nothing to refuse."""

@@ -150,6 +150,11 @@ class BatchedSequenceCache(KVCache):
 
     # ------------------------------------------------------------------ growth
 
+    def _reserve(self) -> None:
+        for layer_id, max_rows in enumerate(self._max_rows):
+            if self.rows(layer_id) < max_rows:
+                self._grow(layer_id, max_rows)
+
     def _grow(self, layer_id: int, need: int) -> None:
         old_rows, new_rows = self.rows(layer_id), self.rows(layer_id)
         assert need <= self._max_rows[layer_id], f"layer {layer_id}: {need} rows needed > {self._max_rows[layer_id]}"

@@ -28,7 +28,10 @@ class RunConfig:
     n_slots: cell layout only, sequences
     at once (default: the manifest's). dflash: speculate when the artifact has a drafter.
     draft_block: the most rows verified per round (pending token + drafts), 2 .. exported block
-    (default: the exported block). speculation: how many drafts each sequence gets per round."""
+    (default: the exported block). speculation: how many drafts each sequence gets per round.
+    reserve_kv: None = allocate KV storage at its declared size at start exactly when graphs are on (a graph
+    replays fixed addresses, so storage that grew mid-run would have every graph captured again); False
+    grows storage as contexts grow (less memory for short contexts)."""
 
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None
@@ -39,6 +42,7 @@ class RunConfig:
     dflash: bool = True
     draft_block: Optional[int] = None
     speculation: str = SPECULATION_ADAPTIVE
+    reserve_kv: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -65,6 +69,11 @@ class RunConfig:
     def compiled(self) -> bool:
         """Run methods as compiled fused code?"""
         return self.on_cuda if self.compile is None else self.compile
+
+    @property
+    def reserved(self) -> bool:
+        """Allocate KV storage whole at start?"""
+        return self.graphs if self.reserve_kv is None else self.reserve_kv
 
     @property
     def padded(self) -> bool:

@@ -30,7 +30,7 @@ from mg.manifests import constants as C
 from .artifact import Artifact
 from .config import RunConfig
 from .cuda_graphs import GraphCounters
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, to_device
 from .sampling import SamplingBatch
 from .scheduler import Batch, Request, RequestError, Scheduler, Sequence
 from .spec_accept import accept
@@ -167,17 +167,18 @@ class Engine:
             return [], []
         width = max(n for _, _, n, _ in groups)
         dev = logits.device
-        index = torch.tensor([[first + min(j, n - 1) for j in range(width)] for _, first, n, _ in groups],
-                             dtype=torch.long).flatten()
+        seqs = [g[0] for g in groups]
+        # Logits rows of each group (its last row repeated up to the width), drafts per group and output
+        # counters: one host-to-device copy, which never waits for the device.
+        host = [first + min(j, n - 1) for _, first, n, _ in groups for j in range(width)]
+        host += [n - 1 for _, _, n, _ in groups] + [s.n_generated for s in seqs]
+        index, n_draft, counters = to_device(torch.tensor(host, dtype=torch.long), dev).split([b * width, b, b])
         draft = torch.zeros(b, width - 1, dtype=torch.long, device=dev)  # past a group's k: ignored by accept
         if drafts.tokens is not None and width > 1:
             cols = min(width - 1, drafts.tokens.shape[1])
             draft[:len(drafts.ks), :cols] = drafts.tokens[:, :cols]  # decode groups come first
-        seqs = [g[0] for g in groups]
-        n_draft = torch.tensor([n - 1 for _, _, n, _ in groups], dtype=torch.long)
-        counters = torch.tensor([s.n_generated for s in seqs], dtype=torch.long)
-        result = accept(draft, None, logits.index_select(0, index.to(dev)).view(b, width, -1),
-                        n_draft.to(dev), self._sampling_batch(seqs, dev), counters.to(dev))
+        result = accept(draft, None, logits.index_select(0, index).view(b, width, -1),
+                        n_draft, self._sampling_batch(seqs, dev), counters)
         host = torch.cat([result.n_accepted[:, None], result.tokens], dim=1).tolist()  # the one copy per step
         return [row[0] for row in host], [row[1:2 + row[0]] for row in host]
 
@@ -201,7 +202,7 @@ class Engine:
             owners.append((chunk.seq.slot, chunk.length))
             offset += chunk.length
         if spec is not None and committed_rows:
-            rows = hidden.index_select(0, torch.tensor(committed_rows, dtype=torch.long, device=hidden.device))
+            rows = hidden.index_select(0, to_device(torch.tensor(committed_rows, dtype=torch.long), hidden.device))
             at = 0
             for slot, m in owners:
                 spec.commit(slot, rows[at:at + m])

@@ -106,6 +106,8 @@ class ModelRunner:
                                                       self._blank_block, None, _cut_rows)
             self._plans[C.METHOD_DRAFT_APPEND] = _Plan(C.METHOD_DRAFT_APPEND, draft.kv.max_write,
                                                        self._blank_append, self.draft_cache, lambda out, live: out)
+        if config.reserved:
+            self._reserve_caches()
         self._compiled: dict[str, CompiledMethod] = {}
         self.compile_stats: Optional[CompileStats] = None
         if config.compiled:
@@ -119,6 +121,19 @@ class ModelRunner:
         self._blanks: dict[tuple[str, int], list] = {}
         self.call_log: Optional[list] = None  # a list: every call appends (method, live rows, seconds)
 
+    def _reserve_caches(self) -> None:
+        """KV storage at its declared size before any graph is captured (RunConfig.reserve_kv); without the
+        memory for it, said in one line, storage grows as contexts grow (each growth captures graphs again)."""
+        for cache in (self.cache, self.draft_cache):
+            if cache is None:
+                continue
+            try:
+                cache.reserve()
+            except torch.OutOfMemoryError:
+                log.warning(f"mg-run: not enough {self.device} memory to allocate the {cache.layout} KV cache "
+                            f"whole ({cache.capacity} positions); it grows as contexts grow, and CUDA graphs are "
+                            f"captured again after each growth")
+
     # ------------------------------------------------------------------ methods
 
     def forward(self, batch: StepBatch) -> list:
@@ -126,9 +141,9 @@ class ModelRunner:
         n, r = batch.tokens.shape[0], batch.logits_rows.shape[0]
         tokens = batch.tokens
         if batch.draft_tokens is not None:  # drafts stay where they were made: no wait for them on the host
-            dev = batch.draft_tokens.device
-            tokens = tokens.to(dev).index_copy_(0, batch.draft_rows.to(dev),
-                                                batch.draft_tokens.flatten().index_select(0, batch.draft_src.to(dev)))
+            dev, k = batch.draft_tokens.device, batch.draft_rows.shape[0]
+            tokens, rows, src = to_device(torch.cat([tokens, batch.draft_rows, batch.draft_src]), dev).split([n, k, k])
+            tokens = tokens.clone().index_copy_(0, rows, batch.draft_tokens.flatten().index_select(0, src))
         return self.call(C.METHOD_FORWARD, [tokens, batch.positions, batch.seq_slots, batch.logits_rows], [r, n])
 
     def draft_block(self, tokens: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> torch.Tensor:
@@ -150,7 +165,7 @@ class ModelRunner:
         size = bucket_for(rows, plan.limit) if self.config.padded else None
         if size is not None:
             blank = self._blank(plan, size)
-            inputs = [x if x.shape[0] == size else torch.cat([x, b[x.shape[0]:].to(x.device)])
+            inputs = [x if x.shape[0] == size else torch.cat([x, to_device(b[x.shape[0]:], x.device)])
                       for x, b in zip(inputs, blank)]
         if plan.cache is not None:
             plan.cache.declare_step(inputs[1], inputs[2])  # padding rows too: the host admits them, outside graphs
@@ -158,7 +173,7 @@ class ModelRunner:
         if size is not None and graphs is not None:
             out = graphs.run(size, inputs)
         else:
-            out = self._run(method, [x.to(self.device) for x in inputs], size is not None)
+            out = self._run(method, [to_device(x, self.device) for x in inputs], size is not None)
         if self.call_log is not None:
             self.call_log.append((method, rows, time.perf_counter() - t0))
         return out if size is None else plan.cut(out, live)
@@ -308,6 +323,12 @@ def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, tab
     if new:
         log.info(f"mg-run: compiled {len(new)} method variants in {sum(e[3] for e in new):.1f}s")
     return {name: methods[name] for name in plans if methods[name] is not None}, compiler.stats
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x` on `device`, the copy queued without waiting for the device (a host tensor is staged by the driver
+    before this returns, so the caller may drop or reuse it at once)."""
+    return x.to(device, non_blocking=True)
 
 
 def _qualified(op: str) -> str:

@@ -96,12 +96,16 @@ class SamplingBatch:
                 raise ValueError(f"seed=None on row {row}: a sampled request needs a seed in [0, 2**64) "
                                  f"(pick one when the request is admitted)")
         sampled = [p for p in params if not p.greedy]
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:  # queued: never waits for the device
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
         return cls(
-            temperature=torch.tensor([float(p.temperature) for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
-            seed=torch.tensor([_wrap64(p.seed or 0) for p in params], dtype=torch.int64, device=device),
+            temperature=column([float(p.temperature) for p in params], torch.float32),
+            top_k=column([p.top_k for p in params], torch.int64),
+            top_p=column([float(p.top_p) for p in params], torch.float32),
+            greedy=column([p.greedy for p in params], torch.bool),
+            seed=column([_wrap64(p.seed or 0) for p in params], torch.int64),
             all_greedy=not sampled,
             filtered=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
         )

@@ -62,7 +62,7 @@ from mg.manifests import constants as C
 from mg.manifests.values import cache_root, write_cache_file
 
 from .config import SPECULATION_FIXED, RunConfig
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, to_device
 
 
 class DFlashError(ValueError):
@@ -533,9 +533,9 @@ class Speculator:
         if not isinstance(drafts, torch.Tensor):  # lists (e.g. a test's proposer): one host-to-device copy
             width = max(k for _, k in live)
             drafts = torch.tensor([list(d)[:width] + [0] * (width - len(d)) for d in drafts], dtype=torch.long)
-        drafts = drafts.to(device)
+        drafts = to_device(drafts, device)
         if len(live) < len(decode):  # rows in decode order; non-drafting rows are filler
-            rows = torch.tensor([i for i, k in enumerate(ks) if k > 0], dtype=torch.long, device=device)
+            rows = to_device(torch.tensor([i for i, k in enumerate(ks) if k > 0], dtype=torch.long), device)
             drafts = torch.zeros(len(decode), drafts.shape[1], dtype=torch.long, device=device).index_copy_(
                 0, rows, drafts)
         return StepDrafts(list(ks), drafts)

@@ -222,6 +222,30 @@ def test_cell_read_span_doubles_reads_the_same_keys_and_bumps_version_once_read(
     assert whole.storage_version() == 0 and whole.metrics().growth_count == grown.metrics().growth_count == 0
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reserved_cache_never_moves_and_reads_like_a_growing_one(layout):
+    cfg = tiny_cfg(4)
+    growing, reserved = new_cache(cfg, layout, capacity=32), new_cache(cfg, layout, capacity=32)
+    reserved.max_span(FLAT)  # a reader has used the span: growing it now would bump the version
+    reserved.reserve()
+    version, allocated = reserved.storage_version(), reserved.metrics().bytes_allocated
+    gen = torch.Generator().manual_seed(21)
+    for i, event in enumerate(interleaved_schedule(seed=21)):
+        if event[0] != "step":
+            for cache in (growing, reserved):
+                getattr(cache, event[0])(*event[1:])
+            continue
+        qkvs = random_qkvs(cfg, len(event[1]), gen)
+        assert_outputs_equal(step(reserved, event[1], qkvs), step(growing, event[1], qkvs), f"event {i}")
+    assert growing.storage_version() > 0  # the schedule does grow an unreserved cache
+    assert reserved.storage_version() == version and reserved.metrics().bytes_allocated == allocated
+    assert reserved.metrics().lengths == growing.metrics().lengths
+    if layout == LAYOUT_SEQUENCE:
+        assert reserved.metrics().rows == (4 + 8 - 1, 32, 4 + 8 - 1, 32)  # ring: window + max_write - 1
+    else:
+        assert reserved.read_span == 32
+
+
 def test_ring_growth_after_wrap_replaces_positions_at_new_rows():
     cfg = tiny_cfg(4)  # ring rows grow up to window + max_write - 1 = 11
     grown, fixed = new_cache(cfg, LAYOUT_SEQUENCE, initial_rows=4), new_cache(cfg, LAYOUT_SEQUENCE, initial_rows=48)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -87,6 +88,22 @@ def test_greedy_dflash_matches_target_only(which, config, request, tiny_cfg):
     got_eos = _tokens(_engine(art, config, eos=eos), reqs)
     assert got_eos == _tokens(_engine(art, TARGET_ONLY, eos=eos), reqs)
     assert any(out and out[-1] in eos for out in got_eos)
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_reserved_kv_never_moves_and_gives_the_same_tokens(which, request, tiny_cfg):
+    """KV storage allocated whole at start (the CUDA-graph default) serves DFlash exactly like storage that
+    grows, and neither the target's nor the drafter's storage moves during the run."""
+    art = request.getfixturevalue(which)
+    reqs = _requests(_prompts(tiny_cfg.vocab_size), [12, 5, 20, 40, 50], ignore_eos=True)  # contexts past 64
+    growing = _engine(art, dataclasses.replace(FIXED, pad_steps=True))
+    reference = _tokens(growing, reqs)
+    assert growing.runner.draft_cache.storage_version() > 0  # this run does grow storage that is not reserved
+    engine = _engine(art, dataclasses.replace(FIXED, reserve_kv=True, pad_steps=True))
+    caches = (engine.runner.cache, engine.runner.draft_cache)
+    versions = [c.storage_version() for c in caches]
+    assert _tokens(engine, reqs) == reference
+    assert [c.storage_version() for c in caches] == versions
 
 
 def test_ignore_eos_generates_the_whole_budget(tiny_dflash_seq_artifact, tiny_cfg):
