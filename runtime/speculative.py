@@ -430,12 +430,17 @@ class Speculator:
         costs = self.costs
         g = self.acceptance.global_rates()
         gains = [self.acceptance.survival(s.slot, k, g) for s, k in zip(decode, limits)]
+        n = len(decode)
+        best_ratio = n / (costs.forward(n) + costs.residual(False))
+        # A bound first (most steps of a batch the drafter does not help end here): every draft row accepted
+        # in expectation, at the cheapest drafting step's time (lookups never fall with size).
+        cheapest = costs.forward(n + 1) + costs.draft(1) + costs.residual(True)
+        if rows_left <= 0 or (n + sum(map(sum, gains))) / cheapest <= best_ratio:
+            return [0] * n
         # Every (gain, sequence, row) in one list, best first; a sequence's rows come in order (gains decrease).
         order = heapq.merge(*[[(-p, i, j) for j, p in enumerate(gs)] for i, gs in enumerate(gains)])
-        n = len(decode)
         ks = [0] * n
         rows, tokens, drafting, waiting = 0, 0.0, 0, 0
-        best_ratio = n / (costs.forward(n) + costs.residual(False))
         best, taken = 0, []
         for neg_p, i, _ in order:
             if rows >= rows_left:
