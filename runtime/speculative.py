@@ -139,24 +139,33 @@ class AcceptanceModel:
         self._hits = [[0.0] * k_max for _ in range(n_slots)]
         self._trials = [[0.0] * k_max for _ in range(n_slots)]
         self._g_hits, self._g_trials = [0.0] * k_max, [0.0] * k_max
+        self._memo: dict = {}  # (slot, k) -> survival, and None -> global rates; cleared by any observation
 
     def global_rates(self) -> list[float]:
-        s = self.strength
-        return [(h + s * self.prior) / (n + s) for h, n in zip(self._g_hits, self._g_trials)]
+        g = self._memo.get(None)
+        if g is None:
+            s = self.strength
+            g = self._memo[None] = [(h + s * self.prior) / (n + s) for h, n in zip(self._g_hits, self._g_trials)]
+        return g
 
-    def survival(self, slot: int, k: int, g: Optional[list[float]] = None) -> list[float]:
-        """P(at least j drafts accepted) for j = 1..k."""
-        g = self.global_rates() if g is None else g
-        s, hits, trials = self.strength, self._hits[slot], self._trials[slot]
+    def survival(self, slot: int, k: int) -> list[float]:
+        """P(at least j drafts accepted) for j = 1..k (shared: do not modify). Kept until the next observation:
+        while nobody drafts (steps the drafter does not help) the estimates do not change."""
+        out = self._memo.get((slot, k))
+        if out is not None:
+            return out
+        g, s, hits, trials = self.global_rates(), self.strength, self._hits[slot], self._trials[slot]
         out, p = [], 1.0
         for j in range(k):
             p *= (hits[j] + s * g[j]) / (trials[j] + s)
             out.append(p)
+        self._memo[(slot, k)] = out
         return out
 
     def observe(self, slot: int, k: int, accepted: int) -> None:
         """A round of k >= 1 drafts accepted `accepted`: rows 1..accepted hit, row accepted+1 missed."""
         hits, trials = self._hits[slot], self._trials[slot]
+        self._memo.clear()
         for j in range(min(accepted + 1, k)):
             hit = 1.0 if j < accepted else 0.0
             hits[j] = hits[j] * self.decay + hit
@@ -165,6 +174,7 @@ class AcceptanceModel:
             self._g_trials[j] = self._g_trials[j] * self.global_decay + 1.0
 
     def reset(self, slot: int) -> None:
+        self._memo.clear()
         self._hits[slot] = [0.0] * self.k_max
         self._trials[slot] = [0.0] * self.k_max
 
@@ -408,8 +418,8 @@ class Speculator:
             if share < 1.0 and not any(ks):
                 break
             for i, s in enumerate(decode):
-                if ks[i] or not limits[i] or rows_left <= 0:
-                    continue
+                if ks[i] or not limits[i] or rows_left <= 0 or not self.probes.due(s.slot, share):
+                    continue  # (the budget's floor below only lengthens the wait: not due without it, not due)
                 rows, b = n + sum(ks), sum(1 for k in ks if k)
                 k = min(limits[i], rows_left, self._probe_rows(rows))
                 extra = c.forward(rows + k) - c.forward(rows) + c.draft(b + 1) - c.draft(b)
@@ -428,14 +438,15 @@ class Speculator:
     def _best_drafts(self, decode: list, limits: list[int], rows_left: int) -> list[int]:
         """The draft rows with the most expected committed tokens per second (module docstring)."""
         costs = self.costs
-        g = self.acceptance.global_rates()
-        gains = [self.acceptance.survival(s.slot, k, g) for s, k in zip(decode, limits)]
+        gains = [self.acceptance.survival(s.slot, k) for s, k in zip(decode, limits)]
         n = len(decode)
         best_ratio = n / (costs.forward(n) + costs.residual(False))
-        # A bound first (most steps of a batch the drafter does not help end here): every draft row accepted
-        # in expectation, at the cheapest drafting step's time (lookups never fall with size).
+        # Bounds (most steps of a batch the drafter does not help end at the first): every draft row accepted
+        # in expectation, at the cheapest drafting step's time; in the search, at the time of the prefix so
+        # far (a step's time never falls as rows, drafting sequences and waiting context grow).
         cheapest = costs.forward(n + 1) + costs.draft(1) + costs.residual(True)
-        if rows_left <= 0 or (n + sum(map(sum, gains))) / cheapest <= best_ratio:
+        bound = n + sum(map(sum, gains))
+        if rows_left <= 0 or bound / cheapest <= best_ratio:
             return [0] * n
         # Every (gain, sequence, row) in one list, best first; a sequence's rows come in order (gains decrease).
         order = heapq.merge(*[[(-p, i, j) for j, p in enumerate(gs)] for i, gs in enumerate(gains)])
@@ -456,6 +467,8 @@ class Speculator:
             ratio = (n + tokens) / t
             if ratio > best_ratio:
                 best_ratio, best = ratio, len(taken)
+            elif bound / t <= best_ratio:
+                break  # no longer prefix can do better
         ks = [0] * n
         for i in taken[:best]:
             ks[i] += 1
