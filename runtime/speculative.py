@@ -237,6 +237,7 @@ class CostModel:
         self._residual = {False: 0.0, True: 0.0}
         self._seen = {False: False, True: False}
         self._monotone: dict[str, dict[int, float]] = {}
+        self._known: dict[str, dict[int, float]] = {}  # n -> _predict(name, n) for the tables as they are
         for name in self.tables:
             self._update_monotone(name)
 
@@ -245,8 +246,13 @@ class CostModel:
 
     def _predict(self, name: str, n: int) -> float:
         """The table's time at n, never below a smaller size's: entries refined online by noisy calls can
-        fall below a smaller bucket's, and a dip would make extra rows look free."""
-        return self._at_table(self._monotone[name], self._sizes[name], n)
+        fall below a smaller bucket's, and a dip would make extra rows look free. Answers are kept until the
+        table changes (on CUDA, where calls are not timed, for good): the draft search asks hundreds per step."""
+        known = self._known[name]
+        t = known.get(n)
+        if t is None:
+            t = known[n] = self._at_table(self._monotone[name], self._sizes[name], n)
+        return t
 
     def _update_monotone(self, name: str) -> None:
         table, out, top = self.tables[name], {}, 0.0
@@ -254,6 +260,7 @@ class CostModel:
             top = max(top, table[size])
             out[size] = top
         self._monotone[name] = out
+        self._known[name] = {}
 
     def _at_table(self, table: dict[int, float], sizes: list[int], n: int) -> float:
         if n <= 0:
