@@ -168,10 +168,14 @@ def test_greedy_generation_with_graphs_equals_eager_and_cpu(which, request, tiny
 def test_storage_growth_recaptures_and_outputs_still_equal(which, request, tiny_cfg):
     art = request.getfixturevalue(which)
     reqs = _requests(tiny_cfg.vocab_size, lengths=(61, 3), max_new=(33, 40))  # flat columns grow 64 -> 96 rows
-    engine = _engine(art, "cuda", speculation="fixed")
+    engine = _engine(art, "cuda", speculation="fixed", reserve_kv=False)  # storage that grows (not the default)
     got = _tokens(engine, reqs)
     assert engine.cache.metrics().growth_count > 0 and engine.graph_counters.recaptures > 0
     assert got == _tokens(_engine(art, dflash=False), reqs)
+    reserved = _engine(art, "cuda", speculation="fixed")  # the default with graphs: storage whole from the start
+    version = reserved.cache.storage_version()
+    assert _tokens(reserved, reqs) == got
+    assert reserved.cache.storage_version() == version and reserved.graph_counters.recaptures == 0
 
 
 
