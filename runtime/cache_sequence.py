@@ -161,10 +161,10 @@ class BatchedSequenceCache(KVCache):
         while new_rows < need:
             new_rows = min(2 * new_rows, self._max_rows[layer_id])
         slots, src, dst = self._held_rows(layer_id, old_rows, new_rows)
-        for store in (self._k, self._v):
-            grown = self._zeros(layer_id, new_rows)
-            grown[slots, dst] = store[layer_id][slots, src]
-            store[layer_id] = grown
+        grown = [self._zeros(layer_id, new_rows) for _ in range(2)]  # both first: out of memory changes nothing
+        for store, new in zip((self._k, self._v), grown):
+            new[slots, dst] = store[layer_id][slots, src]
+            store[layer_id] = new
         self._growths += 1
         self._version += 1
 

@@ -106,6 +106,23 @@ def test_reserved_kv_never_moves_and_gives_the_same_tokens(which, request, tiny_
     assert [c.storage_version() for c in caches] == versions
 
 
+def test_kv_that_cannot_be_reserved_is_said_once_and_grows_instead(tiny_dflash_seq_artifact, tiny_cfg, monkeypatch,
+                                                                   caplog):
+    from mg.runtime.cache_sequence import BatchedSequenceCache
+
+    def no_memory(self):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(BatchedSequenceCache, "_reserve", no_memory)
+    reqs = _requests(_prompts(tiny_cfg.vocab_size), [12, 5, 20, 40, 50], ignore_eos=True)
+    with caplog.at_level("WARNING", logger="mg.runtime"):
+        engine = _engine(tiny_dflash_seq_artifact, dataclasses.replace(FIXED, reserve_kv=True, pad_steps=True))
+    said = [r.getMessage() for r in caplog.records if "memory to allocate" in r.getMessage()]
+    assert len(said) == 2 and all("grows as contexts grow" in m for m in said)  # target cache, draft cache
+    assert _tokens(engine, reqs) == _tokens(_engine(tiny_dflash_seq_artifact, FIXED), reqs)
+    assert engine.runner.cache.storage_version() > 0  # it grew instead
+
+
 def test_ignore_eos_generates_the_whole_budget(tiny_dflash_seq_artifact, tiny_cfg):
     prompts = _prompts(tiny_cfg.vocab_size)[:2]
     reference = _tokens(_engine(tiny_dflash_seq_artifact, TARGET_ONLY), _requests(prompts, 12))
