@@ -1,0 +1,171 @@
+"""Where an engine step's time goes: per-step time, graph captures and host synchronisations, per mode.
+
+Runs the engine on held-out prompts (each alone, then several at once) with DFlash off (`plain`), with
+fixed blocks and with adaptive speculation, on one artifact (default: the embedded default, exported into a
+temporary folder). For each mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
+graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram; on
+CUDA it also counts the synchronising calls of one single-prompt run per mode by call site
+(`torch.cuda.set_sync_debug_mode("warn")`). `--profile DIR` writes a cProfile listing per mode (single
+prompt). Engines are built and warmed up (graphs captured, costs measured) before their clock starts, as in
+`eval_dflash.py`. Prints Markdown; `--out` writes JSON.
+
+    python3 scripts/profile_engine.py --device cuda --out profile.json --profile prof/
+    python scripts/profile_engine.py out/default --modes plain,adaptive --batches 1,20
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("plain", "fixed", "adaptive")
+
+
+def _config(mode: str, device: str):
+    from mg.runtime.config import RunConfig
+
+    return RunConfig(device=device, dflash=mode != "plain", speculation="fixed" if mode == "plain" else mode)
+
+
+def _timed(engine, reqs) -> float:
+    import torch
+
+    cuda = engine.runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.run(reqs)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _engine(artifact, mode: str, device: str):
+    from mg.runtime.engine import Engine
+
+    engine = Engine(artifact, _config(mode, device))
+    engine.warm_up()
+    return engine
+
+
+def _sync_sites(artifact, mode: str, device: str, reqs) -> dict[str, int]:
+    """Synchronising calls of one run by the last three frames of this project's code that made them."""
+    import torch
+
+    engine, sites = _engine(artifact, mode, device), collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/mg/" in f.filename or "/runtime/" in f.filename]
+        sites[" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]) or filename] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.run(reqs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+    return dict(sites.most_common())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifact", nargs="?", type=Path, default=None, help="[default: export the embedded default]")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
+    p.add_argument("--batches", default="1,8,20", help="prompts served at once (the first N held-out prompts)")
+    p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--profile", type=Path, default=None, help="folder for a cProfile listing per mode")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes):
+        p.error(f"--modes is {args.modes!r}; allowed: a comma-separated subset of {', '.join(MODES)}")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        batches = [0]
+    if min(batches) < 1:
+        p.error(f"--batches is {args.batches!r}; allowed: comma-separated integers >= 1")
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import eval_dflash
+
+    from mg.kernels.quiet import quiet_dependencies
+
+    quiet_dependencies()
+    with tempfile.TemporaryDirectory() as tmp:
+        art_dir = args.artifact
+        if art_dir is None:
+            from mg.export.artifact import default_checkpoints
+
+            target, draft = default_checkpoints()
+            art_dir = eval_dflash._export(target, draft, "sequence", Path(tmp) / "default", 1024)
+        from mg.runtime.artifact import load_artifact
+
+        reqs = eval_dflash._requests(args.prompts, art_dir, args.max_new_tokens)
+        if max(batches) > len(reqs):
+            p.error(f"--batches asks for {max(batches)} prompts; {args.prompts} holds {len(reqs)}")
+        artifact = load_artifact(art_dir, device=args.device)
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        rows, sites = [], {}
+        for mode in modes:
+            for n in batches:
+                engine = _engine(artifact, mode, args.device)
+                captures = engine.graph_counters.captures
+                seconds = _timed(engine, reqs[:n])
+                tokens, stats = engine.stats.generated_tokens, engine.spec_stats
+                rows.append({"mode": mode, "prompts": n, "steps": engine.stats.steps, "tokens": tokens,
+                             "ms_per_step": 1e3 * seconds / engine.stats.steps, "tokens_per_s": tokens / seconds,
+                             "captures_during_run": engine.graph_counters.captures - captures,
+                             "chosen_k_hist": list(stats.chosen_k_hist)})
+                r = rows[-1]
+                print(f"{mode} x{n}: {r['ms_per_step']:.3f} ms/step, {r['tokens_per_s']:.1f} tok/s, "
+                      f"{r['captures_during_run']} captures", file=sys.stderr)
+            if args.profile is not None:
+                engine, prof = _engine(artifact, mode, args.device), cProfile.Profile()
+                prof.enable()
+                _timed(engine, reqs[:1])
+                prof.disable()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(50)
+                (args.profile / f"profile_{mode}.txt").write_text(text.getvalue())
+            if args.device == "cuda":
+                sites[mode] = _sync_sites(artifact, mode, args.device, reqs[:1])
+
+    lines = ["| mode | prompts | steps | ms/step | tok/s | graph captures in the run | chosen k: k = 0 / k > 0 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h = r["chosen_k_hist"]
+        ks = f"{h[0]} / {sum(h[1:])}" if h else "-"
+        lines.append(f"| {r['mode']} | {r['prompts']} | {r['steps']} | {r['ms_per_step']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['captures_during_run']} | {ks} |")
+    print("\n".join(lines))
+    for mode, found in sites.items():
+        print(f"\nsynchronising calls, {mode}, one prompt: {sum(found.values())}")
+        for where, count in found.items():
+            print(f"  {count:5d}  {where}")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"device": args.device, "artifact": str(art_dir), "runs": rows,
+                                        "sync_sites": sites}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
