@@ -116,7 +116,7 @@ class KVCache(abc.ABC):
     def reserve(self) -> None:
         """Allocate storage at its declared size now, so that it never moves later (a CUDA graph replays
         fixed addresses: growth would capture every graph of this cache again, mid-run). Raises
-        torch.OutOfMemoryError when the device lacks the memory; the cache stays usable (it grows as before)."""
+        torch.OutOfMemoryError, with nothing changed, when the device lacks the memory (it then grows as before)."""
         self._reserve()
 
     def rewind(self, slot: int, new_length: int) -> None:

@@ -151,17 +151,22 @@ class BatchedSequenceCache(KVCache):
     # ------------------------------------------------------------------ growth
 
     def _reserve(self) -> None:
-        for layer_id, max_rows in enumerate(self._max_rows):
-            if self.rows(layer_id) < max_rows:
-                self._grow(layer_id, max_rows)
+        layers = [i for i, max_rows in enumerate(self._max_rows) if self.rows(i) < max_rows]
+        # Every layer's storage first: running out of memory part way leaves the cache as it was.
+        grown = {i: [self._zeros(i, self._max_rows[i]) for _ in range(2)] for i in layers}
+        for i in layers:
+            self._replace(i, grown.pop(i))
 
     def _grow(self, layer_id: int, need: int) -> None:
-        old_rows, new_rows = self.rows(layer_id), self.rows(layer_id)
+        new_rows = self.rows(layer_id)
         assert need <= self._max_rows[layer_id], f"layer {layer_id}: {need} rows needed > {self._max_rows[layer_id]}"
         while new_rows < need:
             new_rows = min(2 * new_rows, self._max_rows[layer_id])
-        slots, src, dst = self._held_rows(layer_id, old_rows, new_rows)
-        grown = [self._zeros(layer_id, new_rows) for _ in range(2)]  # both first: out of memory changes nothing
+        self._replace(layer_id, [self._zeros(layer_id, new_rows) for _ in range(2)])  # K and V before either moves
+
+    def _replace(self, layer_id: int, grown: list[torch.Tensor]) -> None:
+        """Move the layer's held positions into the larger K and V storage `grown`, which replaces it."""
+        slots, src, dst = self._held_rows(layer_id, self.rows(layer_id), grown[0].shape[1])
         for store, new in zip((self._k, self._v), grown):
             new[slots, dst] = store[layer_id][slots, src]
             store[layer_id] = new

@@ -453,7 +453,7 @@ class Speculator:
         # far (a step's time never falls as rows, drafting sequences and waiting context grow).
         cheapest = costs.forward(n + 1) + costs.draft(1) + costs.residual(True)
         bound = n + sum(map(sum, gains))
-        if rows_left <= 0 or bound / cheapest <= best_ratio:
+        if rows_left <= 0 or (cheapest > 0 and bound / cheapest <= best_ratio):
             return [0] * n
         # Every (gain, sequence, row) in one list, best first; a sequence's rows come in order (gains decrease).
         order = heapq.merge(*[[(-p, i, j) for j, p in enumerate(gs)] for i, gs in enumerate(gains)])
@@ -474,7 +474,7 @@ class Speculator:
             ratio = (n + tokens) / t
             if ratio > best_ratio:
                 best_ratio, best = ratio, len(taken)
-            elif bound / t <= best_ratio:
+            elif t > 0 and bound / t <= best_ratio:
                 break  # no longer prefix can do better
         ks = [0] * n
         for i in taken[:best]:

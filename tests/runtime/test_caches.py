@@ -246,6 +246,24 @@ def test_reserved_cache_never_moves_and_reads_like_a_growing_one(layout):
         assert reserved.read_span == 32
 
 
+def test_reserve_without_the_memory_for_every_layer_changes_nothing(monkeypatch):
+    cfg = tiny_cfg(4)
+    cache = new_cache(cfg, LAYOUT_SEQUENCE, capacity=32)
+    step(cache, [(0, p) for p in range(3)], random_qkvs(cfg, 3, torch.Generator().manual_seed(2)))
+    before = snapshot(cache)
+    zeros = BatchedSequenceCache._zeros
+
+    def fails_for_the_last_layer(self, layer_id, rows):
+        if layer_id == 3 and rows > 2:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return zeros(self, layer_id, rows)
+
+    monkeypatch.setattr(BatchedSequenceCache, "_zeros", fails_for_the_last_layer)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.reserve()
+    assert_same_state(before, snapshot(cache))  # layers 0-2 were not grown either
+
+
 def test_ring_growth_after_wrap_replaces_positions_at_new_rows():
     cfg = tiny_cfg(4)  # ring rows grow up to window + max_write - 1 = 11
     grown, fixed = new_cache(cfg, LAYOUT_SEQUENCE, initial_rows=4), new_cache(cfg, LAYOUT_SEQUENCE, initial_rows=48)
