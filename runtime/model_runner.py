@@ -143,7 +143,8 @@ class ModelRunner:
         if batch.draft_tokens is not None:  # drafts stay where they were made: no wait for them on the host
             dev, k = batch.draft_tokens.device, batch.draft_rows.shape[0]
             tokens, rows, src = to_device(torch.cat([tokens, batch.draft_rows, batch.draft_src]), dev).split([n, k, k])
-            tokens = tokens.index_copy_(0, rows, batch.draft_tokens.flatten().index_select(0, src))  # a fresh copy
+            # In place into the concatenation above (a new tensor), never into batch.tokens.
+            tokens = tokens.index_copy_(0, rows, batch.draft_tokens.flatten().index_select(0, src))
         return self.call(C.METHOD_FORWARD, [tokens, batch.positions, batch.seq_slots, batch.logits_rows], [r, n])
 
     def draft_block(self, tokens: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> torch.Tensor:

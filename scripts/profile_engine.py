@@ -99,8 +99,8 @@ def main() -> int:
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
-        batches = [0]
-    if min(batches) < 1:
+        batches = []
+    if not batches or min(batches) < 1:
         p.error(f"--batches is {args.batches!r}; allowed: comma-separated integers >= 1")
 
     sys.path.insert(0, str(ROOT / "scripts"))
