@@ -13,7 +13,8 @@ Schemes (docs/ARCHITECTURE.md, "Quantized weights"); W is the float weight [N, K
 in x's dtype), unless the calling thread serves `mg::` ops with a table that names them (`ops.serving`):
 the runtime binds the fast kernels that way. `kernels(cpu)` are torch's packed CPU kernels
 (`_weight_int8pack_mm`, and `_weight_int4pack_mm_for_cpu` on a layout built once per weight at first use),
-computing in bfloat16 (the only activation dtype they are fast with) and returning x's dtype.
+computing in bfloat16 (the only activation dtype they are fast with) and returning x's dtype; `kernels(cuda)`
+are the Triton kernels of `triton_quant.py`, which dequantize in registers as the references do.
 Knows nothing about models, ExecuTorch or the runtime.
 """
 
@@ -171,10 +172,40 @@ def _int4_cpu(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, zero
     return y.to(x.dtype).reshape(*x.shape[:-1], weight_q.shape[0])
 
 
+# ------------------------------------------------------------------ CUDA kernels
+
+
+def _cuda(triton_fn: Callable, ref: Callable) -> Callable:
+    """The Triton kernel for calls of at most `triton_quant.MAX_ROWS` rows (decode, verify, short chunks: the
+    weight is read once, quantized); longer prefill chunks dequantize once and run one matmul, whose cost the
+    rows share."""
+    from . import triton_quant
+
+    def run(x: torch.Tensor, *args):
+        if x.numel() // x.shape[-1] <= triton_quant.MAX_ROWS:
+            return triton_fn(x, *args)
+        return ref(x, *args)
+
+    return run
+
+
 def kernels(device: torch.device) -> dict[str, Callable]:
-    """The quantized linears' implementations for `device`, by qualified name: torch's packed kernels on
-    CPU; elsewhere the references (no fused kernel yet: they dequantize each weight per call)."""
+    """The quantized linears' implementations for `device`, by qualified name: torch's packed kernels on CPU;
+    on CUDA the Triton kernels of `triton_quant` (the references where Triton cannot run, said once by the
+    caller's `cuda_available()` check); elsewhere the references."""
     names = op_names()
     if device.type == "cpu":
         return dict(zip(names, (_int8_cpu, _int4_cpu)))
+    if device.type == "cuda" and cuda_available():
+        from . import triton_quant
+
+        return dict(zip(names, (_cuda(triton_quant.linear_int8_triton, linear_int8_ref),
+                                _cuda(triton_quant.linear_int4_triton, linear_int4_ref))))
     return dict(zip(names, (linear_int8_ref, linear_int4_ref)))
+
+
+def cuda_available() -> bool:
+    """Can the Triton quantized linears run (triton importable, and CUDA or its interpreter)?"""
+    from . import triton_quant
+
+    return triton_quant.available()

@@ -1,0 +1,129 @@
+"""Triton weight-only quantized linears on CUDA: availability, launch plan, launchers.
+
+`linear_int8_triton(x, weight_q, scale)` and `linear_int4_triton(x, weight_q, scale, zero, group_size)` have
+the signatures of `linear_int8_ref` / `linear_int4_ref` in `quant.py` and their results up to rounding (the
+kernel applies scales to exact fp32 sums of x * q; the reference rounds the dequantized weight to x's dtype
+first) but never materialise the float weight: each
+quantized byte is read once per tile of up to `MAX_BLOCK_M` rows, which at decode means the weight crosses
+the memory bus once, in its stored size. The kernel lives in `triton_quant_jit.py`.
+
+The launch depends only on shapes (grid, tiles, split-K), so CUDA graphs capture and replay it. Knows nothing
+about models or the runtime; callers check `available()` (shared with the Triton attention: triton importable,
+and CUDA or the interpreter) and use the references otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import triton_attention
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+reason: str = triton_attention.reason  # "" when Triton kernels can run here
+if not reason:
+    from . import triton_quant_jit as _jit
+
+MAX_BLOCK_M = 64        # rows per tile; more rows re-read the weight once per tile
+MAX_ROWS = 256          # callers use the reference (dequantize, one matmul) beyond this many rows
+BLOCK_N = 64            # output columns per program
+TARGET_PROGRAMS = 4     # split-K aims at this many programs per SM (decode is memory-bound)
+MIN_K_TILES = 4         # ... with at least this many BLOCK_K tiles per slice
+MAX_SPLIT = 16
+
+
+def available() -> bool:
+    return not reason
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int  # a multiple of block_k
+    num_warps: int
+    num_stages: int
+
+
+def plan_linear(m: int, n: int, k: int, group_size: int | None, sms: int) -> QuantPlan:
+    """Tiles and split-K from shapes only. int4 tiles (`group_size` given) fit inside one scale group. Split-K
+    aims at `TARGET_PROGRAMS` programs per SM with at least `MIN_K_TILES` tiles per slice."""
+    block_m = min(MAX_BLOCK_M, max(16, _next_pow2(m)))
+    block_k = 128 if group_size is None else min(128, group_size)
+    tiles_k = -(-k // block_k)
+    # From the output columns only: every row count sums a row's products in the same order, so a row's
+    # result does not depend on the batch it came in (up to the MMA shape).
+    columns = -(-n // BLOCK_N)
+    split = max(1, min(MAX_SPLIT, -(-TARGET_PROGRAMS * sms // columns), tiles_k // MIN_K_TILES))
+    per_split = -(-tiles_k // split) * block_k
+    split = -(-k // per_split)  # no empty slice
+    return QuantPlan(block_m, BLOCK_N, block_k, split, per_split, num_warps=4 if block_m <= 32 else 8,
+                     num_stages=3)
+
+
+def linear_int8_triton(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    _check(x, weight_q, scale, None, torch.int8, weight_q.shape[1])
+    _require(scale.shape == (weight_q.shape[0],), f"scale must be [N] = [{weight_q.shape[0]}], got {tuple(scale.shape)}")
+    return _launch(x, weight_q, scale, scale, None)
+
+
+def linear_int4_triton(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                       group_size: int) -> torch.Tensor:
+    _check(x, weight_q, scale, zero, torch.uint8, 2 * weight_q.shape[1])
+    k = x.shape[-1]
+    _require(group_size >= 16 and group_size & (group_size - 1) == 0 and k % group_size == 0,
+             f"group_size must be a power of two >= 16 dividing K = {k}, got {group_size}")
+    _require(scale.shape == (weight_q.shape[0], k // group_size) and zero.shape == scale.shape,
+             f"scale and zero must be [N, K / group_size] = [{weight_q.shape[0]}, {k // group_size}], got "
+             f"{tuple(scale.shape)} and {tuple(zero.shape)}")
+    return _launch(x, weight_q, scale, zero, group_size)
+
+
+def _launch(x, weight_q, scale, zero, group_size):
+    k, n = x.shape[-1], weight_q.shape[0]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    plan = plan_linear(m, n, k, group_size, triton_attention.device_sms(x.device))
+    part = out if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (-(-m // plan.block_m), -(-n // plan.block_n), plan.split_k)
+    upcast = _INTERPRETING and x.dtype != torch.float32
+    _jit._linear_wq_kernel[grid](
+        rows, weight_q, scale, zero, part, m, n, k, scale.shape[-1] if group_size else 1, rows.stride(0),
+        n, m * n, K_PER_SPLIT=plan.k_per_split, GROUP_SIZE=group_size or 1, IS_INT4=group_size is not None,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.split_k > 1:
+        out.copy_(part.sum(dim=0))
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _check(x, weight_q, scale, zero, qdtype, k):
+    _require(available(), f"Triton quantized linears are unavailable: {reason}")
+    _require(x.dtype in (torch.float32, torch.bfloat16, torch.float16),
+             f"x dtype must be float32, bfloat16 or float16, got {x.dtype}")
+    _require(weight_q.dtype == qdtype and weight_q.dim() == 2 and weight_q.is_contiguous(),
+             f"weight_q must be a contiguous 2-D {qdtype} tensor, got {weight_q.dtype} {tuple(weight_q.shape)}")
+    _require(x.shape[-1] == k, f"x has {x.shape[-1]} input columns; the weight holds {k}")
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t is not None:
+            _require(t.is_contiguous() and t.device == x.device, f"{name} must be contiguous on {x.device}")
+    _require(weight_q.device == x.device, f"weight_q is on {weight_q.device}, x on {x.device}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
