@@ -68,7 +68,8 @@ def bench_config(layers: int, tiny: bool, preset: str | None = None):
 
 
 def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, max_seqs: int,
-               max_context: int, preset: str | None = None, threads: int = 0) -> tuple[str, float, float]:
+               max_context: int, preset: str | None = None, threads: int = 0,
+               weights: str = "float", group_size: int | None = None) -> tuple[str, float, float]:
     """Export one layout (runs in its own process); -> (directory, seconds, peak RSS of the process in GB)."""
     import mg.kernels  # noqa: F401
     from mg.kernels.quiet import quiet_dependencies
@@ -85,9 +86,22 @@ def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, m
     draft = DraftSource("bench-draft", dcfg, RandomWeights(PRESET_SEED))
     sizes = {"max_seqs": max_seqs} if layout == "sequence" else {"max_cells": max_seqs * max_context}
     opts = ExportOptions(output_dir=Path(out), layout=layout, max_context=max_context, max_write=max_write, force=True,
-                         **sizes)
+                         weights=weights, group_size=group_size, **sizes)
     export_artifact(opts, target, lambda msg: print(f"  [{layout}] {msg}", flush=True), draft)
     return out, time.perf_counter() - t0, rss_gb("VmHWM")
+
+
+def step_weight_bytes(ptd: Path) -> int:
+    """Bytes of the target's weights one decode step reads, as stored in `ptd` (quantized or not): every target
+    tensor but the embedding table (a step gathers a few of its rows)."""
+    from mg.runtime.data_file import DataFile
+
+    f = DataFile(ptd)
+    try:
+        return sum(e.nbytes for k, e in f.entries.items()
+                   if k.startswith("model.") and k != "model.tok_embeddings.weight")
+    finally:
+        f.close()
 
 
 def rss_gb(field: str = "VmRSS") -> float:
@@ -243,8 +257,8 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
 
 
 def tables(report: dict) -> str:
-    lines = [f"Target: {report['config']}; {report['params'] / 1e9:.3f}B parameters ({report['weight_gb']:.2f} GB "
-             f"read per step); drafter: {report['draft_config']}. Copy bandwidth {report['copy_gbps']:.0f} GB/s "
+    lines = [f"Target: {report['config']}, {report.get('weights', 'float')} weights; {report['params'] / 1e9:.3f}B "
+             f"parameters ({report['weight_gb']:.2f} GB read per step); drafter: {report['draft_config']}. Copy bandwidth {report['copy_gbps']:.0f} GB/s "
              f"-> weight-bandwidth floor {report['floor_ms']:.2f} ms/step. Device: {report['device']}.", ""]
     if report.get("ptd_gb"):
         lines += ["| layout | export s | export GB/s (model.ptd) | export peak RSS GB | load s | host RSS after load GB "
@@ -314,6 +328,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--weights", default="float", choices=["float", "int8", "int4"],
+                   help="the target's and drafter's linear layers, as `mg-export --weights`")
+    p.add_argument("--group-size", type=int, default=None, help="--weights int4: as `mg-export --group-size`")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -342,7 +359,8 @@ def main() -> None:
         threads = 0 if len(lays) > 1 else (os.cpu_count() or 1)
         with ProcessPoolExecutor(len(lays), mp_context=get_context("spawn")) as pool:
             futures = {lay: pool.submit(export_one, str(work / lay), lay, args.layers, args.tiny, max_write, max_seqs,
-                                        args.max_context, args.preset, threads) for lay in lays}
+                                        args.max_context, args.preset, threads, args.weights,
+                                        args.group_size) for lay in lays}
             done = {lay: f.result() for lay, f in futures.items()}
         print(f"exported {', '.join(f'{k} in {v[1]:.0f}s (peak RSS {v[2]:.2f} GB)' for k, v in done.items())} "
               f"(wall {time.perf_counter() - t0:.0f}s)", flush=True)
@@ -360,7 +378,7 @@ def main() -> None:
                   "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "block_size", "target_layers")},
               "params": params, "weight_gb": weight_bytes / 1e9, "copy_gbps": bw / 1e9,
               "floor_ms": 1e3 * weight_bytes / bw, "max_write": max_write, "max_new": args.max_new,
-              "batches": args.batches, "modes": args.modes, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "batches": args.batches, "modes": args.modes, "weights": args.weights, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "export_s": {}, "export_peak_rss_gb": {}, "ptd_gb": None, "layouts": {}}
     def save() -> None:
         if args.out:
@@ -372,6 +390,9 @@ def main() -> None:
         path, seconds, peak = exported[lay]
         report["export_s"][lay], report["export_peak_rss_gb"][lay] = seconds, peak
         report["ptd_gb"] = (Path(path) / "model.ptd").stat().st_size / 1e9
+        if args.weights != "float":  # the floor of what is stored, scales and zeros included
+            weight_bytes = step_weight_bytes(Path(path) / "model.ptd")
+            report.update(weight_gb=weight_bytes / 1e9, floor_ms=1e3 * weight_bytes / bw)
         report["layouts"][lay] = {}
         bench_layout(path, lay, args, cfg, weight_bytes, bw, report["layouts"][lay], save)
         res = report["layouts"][lay]
