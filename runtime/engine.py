@@ -201,12 +201,8 @@ class Engine:
             committed_rows += range(offset, offset + chunk.length)
             owners.append((chunk.seq.slot, chunk.length))
             offset += chunk.length
-        if spec is not None and committed_rows:
-            rows = hidden.index_select(0, to_device(torch.tensor(committed_rows, dtype=torch.long), hidden.device))
-            at = 0
-            for slot, m in owners:
-                spec.commit(slot, rows[at:at + m])
-                at += m
+        if spec is not None:
+            spec.commit(hidden, committed_rows, owners)
         for (seq, _, _, _), toks in zip(step.groups, new_tokens):
             before = len(seq.tokens)
             reason = self.scheduler.append(seq, toks)

@@ -280,6 +280,15 @@ class ModelRunner:
         return self.program.run(method, inputs, ops=self.ops)
 
     @property
+    def hidden_width(self) -> int:
+        """Width of the hidden rows `forward` hands the drafter (taps x dim); with a drafter only."""
+        return self._hidden_spec.shape[1]
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        return getattr(torch, self._hidden_spec.dtype)
+
+    @property
     def compiled_methods(self) -> tuple[str, ...]:
         """Methods that run as compiled code (empty when the config does not compile)."""
         return tuple(self._compiled)
@@ -297,8 +306,7 @@ class ModelRunner:
 
     def _blank_append(self, size: int) -> list:
         """`size` context rows written to the draft scratch slot at position 0 (hidden on the device)."""
-        spec = self._hidden_spec
-        hidden = torch.zeros(size, spec.shape[1], dtype=getattr(torch, spec.dtype), device=self.device)
+        hidden = torch.zeros(size, self.hidden_width, dtype=self.hidden_dtype, device=self.device)
         zeros = torch.zeros(size, dtype=torch.long)
         return [hidden, zeros, torch.full_like(zeros, self.draft_cache.scratch_slot)]
 

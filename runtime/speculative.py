@@ -10,7 +10,8 @@ The engine asks, each step, for:
      round's accepted count) and `commit` (hidden rows of committed positions).
 
 Draft context is appended lazily: committed hidden rows wait per sequence
-and enter the draft cache (one `draft_append` for all sequences that need it)
+in one device buffer (a step's commits are one scatter into it), and enter
+the draft cache (one gather, then `draft_append` for all sequences that need it)
 just before that sequence's next draft, or once a sequence has a full
 `draft_append` call's worth waiting. A stretch of k = 0 rounds therefore
 costs no drafter work, and the context is always complete when drafting
@@ -384,10 +385,9 @@ class Speculator:
         self.acceptance = AcceptanceModel(runner.cache.n_slots, block - 1)
         self.probes = ProbeSchedule(runner.cache.n_slots)
         self.costs: Optional[CostModel] = None
-        draft_cache = runner.draft_cache
-        self._flush_rows = draft_cache.max_write  # waiting rows that trigger an append without a draft
-        self._waiting: dict[int, list[torch.Tensor]] = {}  # slot -> committed hidden rows not yet appended
-        self._n_waiting: dict[int, int] = {}
+        self._flush_rows = runner.draft_cache.max_write  # waiting rows that trigger an append without a draft
+        self._waiting = WaitingRows(runner.cache.n_slots, self._flush_rows + runner.cache.max_write,
+                                    runner.hidden_width, runner.hidden_dtype, runner.device)
         self._appended: dict[int, int] = {}  # slot -> positions in the draft cache
         self._prediction: Optional[tuple[int, int]] = None  # (sequences drafting, context rows to append)
         self._probing: set[int] = set()  # slots whose draft this round is a probe
@@ -435,7 +435,7 @@ class Speculator:
                     rows_left -= k
                     self._probing.add(s.slot)
         chosen = [i for i, k in enumerate(ks) if k]
-        self._prediction = (len(chosen), sum(self._n_waiting.get(decode[i].slot, 0) for i in chosen))
+        self._prediction = (len(chosen), sum(self._waiting.count[decode[i].slot] for i in chosen))
         if chosen:  # each drafting sequence's predicted seconds on top of a plain step: verify rows, draft share
             rows, share = n + sum(ks), c.draft(len(chosen)) / len(chosen)
             self._extra = {decode[i].slot: c.forward(rows) - c.forward(rows - ks[i]) + share for i in chosen}
@@ -468,7 +468,7 @@ class Speculator:
             tokens -= neg_p
             if ks[i] == 0:
                 drafting += 1
-                waiting += self._n_waiting.get(decode[i].slot, 0)
+                waiting += self._waiting.count[decode[i].slot]
             ks[i] += 1
             t = costs.forward(n + rows) + costs.draft(drafting) + costs.append(waiting) + costs.residual(True)
             ratio = (n + tokens) / t
@@ -584,27 +584,28 @@ class Speculator:
             if seq.slot in self._probing:
                 self._probed[seq.slot] = accepted  # judged in step_done, once the step's time is known
 
-    def commit(self, slot: int, hidden_rows: torch.Tensor) -> None:
-        """Hidden rows [m, taps*dim] of the next m committed positions of `slot` (in position order)."""
-        if hidden_rows.shape[0] == 0:
-            return
-        self._waiting.setdefault(slot, []).append(hidden_rows)
-        self._n_waiting[slot] = self._n_waiting.get(slot, 0) + hidden_rows.shape[0]
+    def commit(self, hidden: torch.Tensor, rows: list[int], owners: list[tuple[int, int]]) -> None:
+        """The step's committed positions: `rows` of the step's hidden states [N, taps*dim], in `owners` order
+        ((slot, m): the next m committed positions of slot, in position order). They wait on the device."""
+        self._waiting.put(hidden, rows, owners)
 
     def end_commits(self) -> None:
         """After a step's commits: append the context of sequences with a full call's worth waiting."""
-        full = [slot for slot, n in self._n_waiting.items() if n >= self._flush_rows]
+        full = self._waiting.at_least(self._flush_rows)
         if full:
             self._flushed += self._append_waiting(full)
 
+    def waiting_rows(self, slot: int) -> int:
+        """Committed positions of `slot` waiting to enter the draft cache."""
+        return self._waiting.count[slot]
+
     def context_length(self, slot: int) -> int:
         """Committed positions of `slot` the drafter holds: in its cache or waiting to be appended."""
-        return self._appended.get(slot, 0) + self._n_waiting.get(slot, 0)
+        return self._appended.get(slot, 0) + self._waiting.count[slot]
 
     def release(self, slot: int) -> None:
         """A finished sequence: its draft context and estimates go."""
-        self._waiting.pop(slot, None)
-        self._n_waiting.pop(slot, None)
+        self._waiting.drop(slot)
         self._appended.pop(slot, None)
         self.runner.draft_cache.release(slot)
         self.acceptance.reset(slot)
@@ -612,21 +613,60 @@ class Speculator:
         self._probed.pop(slot, None)
 
     def _append_waiting(self, slots: list[int]) -> int:
-        """Append the waiting context rows of `slots`; returns how many."""
-        rows, positions, seq_slots = [], [], []
+        """Append the waiting context rows of `slots` (one gather, then `draft_append` calls); returns how many."""
+        positions, seq_slots, taken = [], [], []
         for slot in slots:
-            parts = self._waiting.pop(slot, None)
-            if not parts:
+            m = self._waiting.count[slot]
+            if not m:
                 continue
-            m = self._n_waiting.pop(slot)
             start = self._appended.get(slot, 0)
-            rows += parts
             positions += range(start, start + m)
             seq_slots += [slot] * m
+            taken.append(slot)
             self._appended[slot] = start + m
-        if not rows:
+        if not taken:
             return 0
-        hidden = rows[0] if len(rows) == 1 else torch.cat(rows)
-        self.runner.draft_append(hidden, torch.tensor(positions, dtype=torch.long),
+        self.runner.draft_append(self._waiting.take(taken), torch.tensor(positions, dtype=torch.long),
                                  torch.tensor(seq_slots, dtype=torch.long))
         return len(positions)
+
+
+class WaitingRows:
+    """Committed hidden rows waiting to enter the draft cache: one device buffer [n_slots, rows, width] (slot
+    s's waiting rows at [s, :count[s]], in position order), so a step's commits are one scatter and an
+    append's rows one gather, however many sequences take part. `rows` must cover what a slot can hold
+    between appends: the flush threshold plus one step's writes."""
+
+    def __init__(self, n_slots: int, rows: int, width: int, dtype: torch.dtype, device: torch.device):
+        self.rows = rows
+        self.count = [0] * n_slots
+        self._buf = torch.empty(n_slots * rows, width, dtype=dtype, device=device)
+
+    def put(self, hidden: torch.Tensor, src: list[int], owners: list[tuple[int, int]]) -> None:
+        """Rows `src` of `hidden`, the next m waiting rows of each (slot, m) in `owners` in order."""
+        if not src:
+            return
+        dst = []
+        for slot, m in owners:
+            at = self.count[slot]
+            if at + m > self.rows:  # an invariant: appends keep every slot under its share
+                raise RuntimeError(f"slot {slot} has {at} context rows waiting and commits {m}; its buffer holds "
+                                   f"{self.rows}")
+            dst += range(slot * self.rows + at, slot * self.rows + at + m)
+            self.count[slot] = at + m
+        index = to_device(torch.tensor(src + dst, dtype=torch.long), self._buf.device)
+        self._buf.index_copy_(0, index[len(src):], hidden.index_select(0, index[:len(src)]))
+
+    def at_least(self, n: int) -> list[int]:
+        return [slot for slot, c in enumerate(self.count) if c >= n]
+
+    def take(self, slots: list[int]) -> torch.Tensor:
+        """The waiting rows of `slots` (in that order), removed: [sum of counts, width] on the device."""
+        index = []
+        for slot in slots:
+            index += range(slot * self.rows, slot * self.rows + self.count[slot])
+            self.count[slot] = 0
+        return self._buf.index_select(0, to_device(torch.tensor(index, dtype=torch.long), self._buf.device))
+
+    def drop(self, slot: int) -> None:
+        self.count[slot] = 0

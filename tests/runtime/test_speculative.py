@@ -322,7 +322,7 @@ def _best_prefix_reference(spec, decode, limits, rows_left):
         ks[i] += 1
         tokens -= neg_p
         drafting = [j for j, k in enumerate(ks) if k]
-        waiting = sum(spec._n_waiting.get(decode[j].slot, 0) for j in drafting)
+        waiting = sum(spec.waiting_rows(decode[j].slot) for j in drafting)
         t = c.forward(n + taken) + c.draft(len(drafting)) + c.append(waiting) + c.residual(True)
         if (n + tokens) / t > best:
             best, best_at = (n + tokens) / t, taken
