@@ -632,15 +632,38 @@ class Speculator:
 
 
 class WaitingRows:
-    """Committed hidden rows waiting to enter the draft cache: one device buffer [n_slots, rows, width] (slot
-    s's waiting rows at [s, :count[s]], in position order), so a step's commits are one scatter and an
-    append's rows one gather, however many sequences take part. `rows` must cover what a slot can hold
-    between appends: the flush threshold plus one step's writes."""
+    """Committed hidden rows waiting to enter the draft cache, in one device buffer of regions of `rows` rows
+    (a live slot's waiting rows at the start of its region, in position order), so a step's commits are one
+    scatter and an append's rows one gather, however many sequences take part. `rows` must cover what a slot
+    can hold between appends: the flush threshold plus one step's writes. Regions go to slots as they first
+    commit and come back when they are released; the buffer doubles when every region is taken (starting at
+    8, never beyond `n_slots`), so its memory follows the sequences served at once, not the slots declared."""
+
+    START_REGIONS = 8
 
     def __init__(self, n_slots: int, rows: int, width: int, dtype: torch.dtype, device: torch.device):
-        self.rows = rows
+        self.rows, self.n_slots = rows, n_slots
         self.count = [0] * n_slots
-        self._buf = torch.empty(n_slots * rows, width, dtype=dtype, device=device)
+        self._region: dict[int, int] = {}  # slot -> region index
+        self._free = list(range(min(n_slots, self.START_REGIONS)))[::-1]
+        self._buf = torch.empty(len(self._free) * rows, width, dtype=dtype, device=device)
+
+    @property
+    def regions(self) -> int:
+        return self._buf.shape[0] // self.rows
+
+    def _base(self, slot: int) -> int:
+        region = self._region.get(slot)
+        if region is None:
+            if not self._free:
+                old = self.regions
+                grown = min(self.n_slots, 2 * old)
+                buf = torch.empty(grown * self.rows, self._buf.shape[1], dtype=self._buf.dtype, device=self._buf.device)
+                buf[:self._buf.shape[0]] = self._buf
+                self._buf = buf
+                self._free = list(range(old, grown))[::-1]
+            region = self._region[slot] = self._free.pop()
+        return region * self.rows
 
     def put(self, hidden: torch.Tensor, src: list[int], owners: list[tuple[int, int]]) -> None:
         """Rows `src` of `hidden`, the next m waiting rows of each (slot, m) in `owners` in order."""
@@ -652,7 +675,8 @@ class WaitingRows:
             if at + m > self.rows:  # an invariant: appends keep every slot under its share
                 raise RuntimeError(f"slot {slot} has {at} context rows waiting and commits {m}; its buffer holds "
                                    f"{self.rows}")
-            dst += range(slot * self.rows + at, slot * self.rows + at + m)
+            base = self._base(slot)
+            dst += range(base + at, base + at + m)
             self.count[slot] = at + m
         index = to_device(torch.tensor(src + dst, dtype=torch.long), self._buf.device)
         self._buf.index_copy_(0, index[len(src):], hidden.index_select(0, index[:len(src)]))
@@ -664,9 +688,14 @@ class WaitingRows:
         """The waiting rows of `slots` (in that order), removed: [sum of counts, width] on the device."""
         index = []
         for slot in slots:
-            index += range(slot * self.rows, slot * self.rows + self.count[slot])
+            base = self._base(slot)
+            index += range(base, base + self.count[slot])
             self.count[slot] = 0
         return self._buf.index_select(0, to_device(torch.tensor(index, dtype=torch.long), self._buf.device))
 
     def drop(self, slot: int) -> None:
+        """`slot` finished: its rows and its region go."""
         self.count[slot] = 0
+        region = self._region.pop(slot, None)
+        if region is not None:
+            self._free.append(region)

@@ -556,3 +556,48 @@ def test_cost_tables_are_measured_again_by_newer_code(monkeypatch):
     assert spec_module._tables_path(key, cpu) == before
     monkeypatch.setattr(spec_module, "_code_digest", lambda: "another version of the runtime")
     assert spec_module._tables_path(key, cpu) != before
+
+
+def test_waiting_rows_keep_each_slots_rows_in_order_through_growth_and_release():
+    """The device buffer of waiting context rows against a plain per-slot list: random commits of several
+    slots per step, appends of some slots, releases; the buffer grows past its first regions and reuses freed
+    ones, and never holds more regions than slots."""
+    from mg.runtime.speculative import WaitingRows
+
+    n_slots, rows, width = 20, 12, 3
+    wr = WaitingRows(n_slots, rows, width, torch.float32, torch.device("cpu"))
+    assert wr.regions == WaitingRows.START_REGIONS
+    want: dict[int, list] = {s: [] for s in range(n_slots)}
+    g = torch.Generator().manual_seed(0)
+    counter = 0
+    for step in range(200):
+        slots = torch.randperm(n_slots, generator=g)[:int(torch.randint(1, n_slots + 1, (1,), generator=g))].tolist()
+        owners, src, hidden_rows = [], [], []
+        for slot in slots:
+            m = min(int(torch.randint(1, 4, (1,), generator=g)), rows - len(want[slot]))
+            if m <= 0:
+                continue
+            owners.append((slot, m))
+            for _ in range(m):
+                src.append(len(hidden_rows))
+                hidden_rows.append([counter, slot, step])
+                want[slot].append([counter, slot, step])
+                counter += 1
+        hidden = torch.tensor(hidden_rows + [[-1, -1, -1]] * 3, dtype=torch.float32)  # rows past src: ignored
+        wr.put(hidden, src, owners)
+        assert wr.count == [len(want[s]) for s in range(n_slots)]
+        full = wr.at_least(rows // 2)
+        if full and step % 3 == 0:
+            got = wr.take(full)
+            assert got.tolist() == [r for s in full for r in want[s]]
+            for s in full:
+                want[s] = []
+        if step % 7 == 0:
+            gone = int(torch.randint(0, n_slots, (1,), generator=g))
+            wr.drop(gone)
+            want[gone] = []
+        assert wr.regions <= n_slots
+    assert wr.regions > WaitingRows.START_REGIONS
+    with pytest.raises(RuntimeError, match="buffer holds"):
+        slot = max(range(n_slots), key=lambda s: len(want[s]))
+        wr.put(torch.zeros(rows + 1, width), list(range(rows + 1)), [(slot, rows + 1)])
