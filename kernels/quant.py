@@ -14,12 +14,14 @@ in x's dtype), unless the calling thread serves `mg::` ops with a table that nam
 the runtime binds the fast kernels that way. `kernels(cpu)` are torch's packed CPU kernels
 (`_weight_int8pack_mm`, and `_weight_int4pack_mm_for_cpu` on a layout built once per weight at first use),
 computing in bfloat16 (the only activation dtype they are fast with) and returning x's dtype; `kernels(cuda)`
-are the Triton kernels of `triton_quant.py`, which dequantize in registers as the references do.
+are the Triton kernels of `triton_quant.py` (scales applied to exact fp32 sums of x * q: equal to the
+references up to rounding).
 Knows nothing about models, ExecuTorch or the runtime.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -191,21 +193,23 @@ def _cuda(triton_fn: Callable, ref: Callable) -> Callable:
 
 def kernels(device: torch.device) -> dict[str, Callable]:
     """The quantized linears' implementations for `device`, by qualified name: torch's packed kernels on CPU;
-    on CUDA the Triton kernels of `triton_quant` (the references where Triton cannot run, said once by the
-    caller's `cuda_available()` check); elsewhere the references."""
+    on CUDA the Triton kernels of `triton_quant` (the references where Triton cannot run, said once in the
+    log); elsewhere the references."""
     names = op_names()
     if device.type == "cpu":
         return dict(zip(names, (_int8_cpu, _int4_cpu)))
-    if device.type == "cuda" and cuda_available():
+    if device.type == "cuda":
         from . import triton_quant
 
-        return dict(zip(names, (_cuda(triton_quant.linear_int8_triton, linear_int8_ref),
-                                _cuda(triton_quant.linear_int4_triton, linear_int4_ref))))
+        if triton_quant.available():
+            return dict(zip(names, (_cuda(triton_quant.linear_int8_triton, linear_int8_ref),
+                                    _cuda(triton_quant.linear_int4_triton, linear_int4_ref))))
+        if not _SAID:
+            _SAID.append(True)
+            logging.getLogger("mg.runtime").warning(
+                f"mg-run: Triton quantized linears unavailable ({triton_quant.reason}); quantized linears on "
+                f"CUDA dequantize each weight per call (the references)")
     return dict(zip(names, (linear_int8_ref, linear_int4_ref)))
 
 
-def cuda_available() -> bool:
-    """Can the Triton quantized linears run (triton importable, and CUDA or its interpreter)?"""
-    from . import triton_quant
-
-    return triton_quant.available()
+_SAID: list = []

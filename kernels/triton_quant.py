@@ -55,8 +55,9 @@ def plan_linear(m: int, n: int, k: int, group_size: int | None, sms: int) -> Qua
     block_m = min(MAX_BLOCK_M, max(16, _next_pow2(m)))
     block_k = 128 if group_size is None else min(128, group_size)
     tiles_k = -(-k // block_k)
-    # From the output columns only: every row count sums a row's products in the same order, so a row's
-    # result does not depend on the batch it came in (up to the MMA shape).
+    # From the output columns only: every row count splits a row's sums the same way. Bit-equal results for
+    # a row alone or batched hold within one tile shape (up to 16 rows); the tile (17, 33 rows) and calls
+    # beyond MAX_ROWS (the reference) may change the last bits.
     columns = -(-n // BLOCK_N)
     split = max(1, min(MAX_SPLIT, -(-TARGET_PROGRAMS * sms // columns), tiles_k // MIN_K_TILES))
     per_split = -(-tiles_k // split) * block_k

@@ -34,6 +34,7 @@ def _linear_wq_kernel(
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = offs_n.to(tl.int64)  # weight row offsets: N * K may pass 2**31 (a quantized 202048 x 6656 head)
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -47,7 +48,7 @@ def _linear_wq_kernel(
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(wq_ptr + offs_n[:, None] * (K // 2) + offs_j[None, :],
+            packed = tl.load(wq_ptr + rows_n[:, None] * (K // 2) + offs_j[None, :],
                              mask=mask_n[:, None] & (offs_j[None, :] < K // 2), other=0)
             if UPCAST_DOT:  # interpreter only: its bf16 tl.dot is wrong; the same values widened to fp32
                 q = tl.join((packed & 0xF).to(tl.float32), (packed >> 4).to(tl.float32)).reshape(BLOCK_N, BLOCK_K)
@@ -68,7 +69,7 @@ def _linear_wq_kernel(
             mask_k = offs_k < K
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            q = tl.load(wq_ptr + offs_n[:, None] * K + offs_k[None, :],
+            q = tl.load(wq_ptr + rows_n[:, None] * K + offs_k[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0)
             if UPCAST_DOT:
                 acc += tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision=DOT_PRECISION)

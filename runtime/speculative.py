@@ -669,12 +669,13 @@ class WaitingRows:
         """Rows `src` of `hidden`, the next m waiting rows of each (slot, m) in `owners` in order."""
         if not src:
             return
+        for slot, m in owners:  # an invariant: appends keep every slot under its share (checked before any change)
+            if self.count[slot] + m > self.rows:
+                raise RuntimeError(f"slot {slot} has {self.count[slot]} context rows waiting and commits {m}; its "
+                                   f"buffer holds {self.rows}")
         dst = []
         for slot, m in owners:
             at = self.count[slot]
-            if at + m > self.rows:  # an invariant: appends keep every slot under its share
-                raise RuntimeError(f"slot {slot} has {at} context rows waiting and commits {m}; its buffer holds "
-                                   f"{self.rows}")
             base = self._base(slot)
             dst += range(base + at, base + at + m)
             self.count[slot] = at + m
