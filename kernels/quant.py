@@ -14,8 +14,7 @@ in x's dtype), unless the calling thread serves `mg::` ops with a table that nam
 the runtime binds the fast kernels that way. `kernels(cpu)` are torch's packed CPU kernels
 (`_weight_int8pack_mm`, and `_weight_int4pack_mm_for_cpu` on a layout built once per weight at first use),
 computing in bfloat16 (the only activation dtype they are fast with) and returning x's dtype; `kernels(cuda)`
-are the Triton kernels of `triton_quant.py` (scales applied to exact fp32 sums of x * q: equal to the
-references up to rounding).
+are the Triton kernels of `triton_quant.py` (equal to the references up to rounding).
 Knows nothing about models, ExecuTorch or the runtime.
 """
 

@@ -1,9 +1,9 @@
 """Triton weight-only quantized linears on CUDA: availability, launch plan, launchers.
 
 `linear_int8_triton(x, weight_q, scale)` and `linear_int4_triton(x, weight_q, scale, zero, group_size)` have
-the signatures of `linear_int8_ref` / `linear_int4_ref` in `quant.py` and their results up to rounding (the
-kernel applies scales to exact fp32 sums of x * q; the reference rounds the dequantized weight to x's dtype
-first) but never materialise the float weight: each
+the signatures of `linear_int8_ref` / `linear_int4_ref` in `quant.py` and their results up to rounding (int8
+applies its scales to exact fp32 sums of x * q where the reference rounds the dequantized weight to x's dtype
+first; int4 dequantizes as the reference does) but never materialise the float weight: each
 quantized byte is read once per tile of up to `MAX_BLOCK_M` rows, which at decode means the weight crosses
 the memory bus once, in its stored size. The kernel lives in `triton_quant_jit.py`.
 
