@@ -5,33 +5,21 @@ Runs on CUDA, or on CPU through the Triton interpreter when MG_TRITON_INTERPRET=
 is not importable.
 """
 
-import os
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("MG_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+from triton_setup import DEVICE, cuda_only, module_marks  # first: sets TRITON_INTERPRET
 
 pytest.importorskip("triton")
 
 from mg.kernels.attention_ref import attend_cells_ref, attend_columns_ref, key_span  # noqa: E402
 from mg.kernels import triton_attention as ta  # noqa: E402
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                       reason="needs CUDA, or MG_TRITON_INTERPRET=1 for the Triton interpreter on CPU"),
-    # e.g. the module was imported before this file set TRITON_INTERPRET
-    pytest.mark.skipif(not ta.available(), reason=f"Triton attention unavailable: {ta.reason}"),
-]
+pytestmark = module_marks(ta.available(), ta.reason)
 
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-ON_CUDA = DEVICE == "cuda"
 MG_SCALE = (43.7840518911 / 128 ** 0.5) / 128 ** 0.5  # the MG target's sharp softmax scale at head_dim 128
-cuda_only = pytest.mark.skipif(not ON_CUDA, reason="large shapes run on CUDA only (the interpreter is slow)")
 
 
 @dataclass(frozen=True)

@@ -4,30 +4,17 @@ Runs on CUDA, or on CPU through the Triton interpreter when MG_TRITON_INTERPRET=
 Skips cleanly when triton is not importable.
 """
 
-import os
-
 import pytest
 import torch
 
-INTERPRET = os.environ.get("MG_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+from triton_setup import DEVICE, cuda_only, module_marks  # first: sets TRITON_INTERPRET
 
 pytest.importorskip("triton")
 
 from mg.kernels import quant  # noqa: E402
 from mg.kernels import triton_quant as tq  # noqa: E402
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                       reason="needs CUDA, or MG_TRITON_INTERPRET=1 for the Triton interpreter on CPU"),
-    pytest.mark.skipif(not tq.available(), reason=f"Triton unavailable: {tq.reason}"),
-]
-
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-ON_CUDA = DEVICE == "cuda"
-cuda_only = pytest.mark.skipif(not ON_CUDA, reason="large shapes run on CUDA only (the interpreter is slow)")
+pytestmark = module_marks(tq.available(), tq.reason)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
