@@ -20,6 +20,7 @@ Knows nothing about models, ExecuTorch or the runtime.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -203,12 +204,12 @@ def kernels(device: torch.device) -> dict[str, Callable]:
         if triton_quant.available():
             return dict(zip(names, (_cuda(triton_quant.linear_int8_triton, linear_int8_ref),
                                     _cuda(triton_quant.linear_int4_triton, linear_int4_ref))))
-        if not _SAID:
-            _SAID.append(True)
-            logging.getLogger("mg.runtime").warning(
-                f"mg-run: Triton quantized linears unavailable ({triton_quant.reason}); quantized linears on "
-                f"CUDA dequantize each weight per call (the references)")
+        _say_no_triton(triton_quant.reason)
     return dict(zip(names, (linear_int8_ref, linear_int4_ref)))
 
 
-_SAID: list = []
+@functools.cache
+def _say_no_triton(reason: str) -> None:
+    """Once per process: CUDA serves the quantized linears with the references."""
+    logging.getLogger("mg.runtime").warning(f"mg-run: Triton quantized linears unavailable ({reason}); quantized "
+                                            f"linears on CUDA dequantize each weight per call (the references)")

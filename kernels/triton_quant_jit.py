@@ -41,14 +41,14 @@ def _linear_wq_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if IS_INT4:
             # Dequantized in fp32 per element as the reference does (q * scale + zero, rounded to x's dtype),
             # then one dot: on the H200 this ran at 0.90x the bf16 time where exact integer dots with scales
             # per tile (the int8 way) ran at 1.36x, their 16-bit interleave costing more than the multiplies.
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(wq_ptr + rows_n[:, None] * (K // 2) + offs_j[None, :],
                              mask=mask_n[:, None] & (offs_j[None, :] < K // 2), other=0)
@@ -58,22 +58,15 @@ def _linear_wq_kernel(
             s = tl.load(scale_ptr + offs_n * n_groups + group, mask=in_k, other=0.0).to(tl.float32)
             z = tl.load(zero_ptr + offs_n * n_groups + group, mask=in_k, other=0.0).to(tl.float32)
             w = (q.to(tl.float32) * s[:, None] + z[:, None]).to(x_ptr.dtype.element_ty)
-            if UPCAST_DOT:  # interpreter only: its bf16 tl.dot is wrong; the same values widened to fp32
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=DOT_PRECISION)
-            else:
-                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         else:
             # |q| <= 127 is exact in x's dtype: the dots sum x * q in fp32, the channel's scale applies at the end
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             q = tl.load(wq_ptr + rows_n[:, None] * K + offs_k[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0)
-            if UPCAST_DOT:
-                acc += tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision=DOT_PRECISION)
-            else:
-                acc += tl.dot(x, tl.trans(q.to(x_ptr.dtype.element_ty)), input_precision=DOT_PRECISION)
+            w = q.to(tl.float32) if UPCAST_DOT else q.to(x_ptr.dtype.element_ty)
+        if UPCAST_DOT:  # interpreter only: its bf16 tl.dot is wrong; the same values widened to fp32
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     if not IS_INT4:
         acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]

@@ -683,7 +683,8 @@ class WaitingRows:
         self._buf.index_copy_(0, index[len(src):], hidden.index_select(0, index[:len(src)]))
 
     def at_least(self, n: int) -> list[int]:
-        return [slot for slot, c in enumerate(self.count) if c >= n]
+        """Slots with at least n rows waiting (only slots holding a region can have any)."""
+        return [slot for slot in self._region if self.count[slot] >= n]
 
     def take(self, slots: list[int]) -> torch.Tensor:
         """The waiting rows of `slots` (in that order), removed: [sum of counts, width] on the device."""
