@@ -6,7 +6,7 @@ temporary folder). For each mode and batch it reports steps, milliseconds per st
 graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram; on
 CUDA it also counts the synchronising calls of one single-prompt run per mode by call site
 (`torch.cuda.set_sync_debug_mode("warn")`). `--profile DIR` writes a cProfile listing per mode (single
-prompt). Engines are built and warmed up (graphs captured, costs measured) before their clock starts, as in
+prompt; by cumulative and by own time) and the raw statistics (`profile_<mode>.prof`, for `pstats`). Engines are built and warmed up (graphs captured, costs measured) before their clock starts, as in
 `eval_dflash.py`. Prints Markdown; `--out` writes JSON.
 
     python3 scripts/profile_engine.py --device cuda --out profile.json --profile prof/
@@ -86,6 +86,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact", nargs="?", type=Path, default=None, help="[default: export the embedded default]")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--layout", default="sequence", choices=["sequence", "cell"],
+                   help="KV layout of the embedded default's export (ignored with an artifact)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--batches", default="1,8,20", help="prompts served at once (the first N held-out prompts)")
     p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
@@ -115,7 +117,7 @@ def main() -> int:
             from mg.export.artifact import default_checkpoints
 
             target, draft = default_checkpoints()
-            art_dir = eval_dflash._export(target, draft, "sequence", Path(tmp) / "default", 1024)
+            art_dir = eval_dflash._export(target, draft, args.layout, Path(tmp) / "default", 1024)
         from mg.runtime.artifact import load_artifact
 
         reqs = eval_dflash._requests(args.prompts, art_dir, args.max_new_tokens)
@@ -144,8 +146,11 @@ def main() -> int:
                 _timed(engine, reqs[:1])
                 prof.disable()
                 text = io.StringIO()
-                pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(50)
+                listing = pstats.Stats(prof, stream=text)
+                listing.sort_stats("cumulative").print_stats(50)
+                listing.sort_stats("tottime").print_stats(40)
                 (args.profile / f"profile_{mode}.txt").write_text(text.getvalue())
+                prof.dump_stats(args.profile / f"profile_{mode}.prof")
             if args.device == "cuda":
                 sites[mode] = _sync_sites(artifact, mode, args.device, reqs[:1])
 
