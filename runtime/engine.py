@@ -12,6 +12,10 @@
                  rejected KV rolled back, committed hidden rows handed to the
                  drafter's context, tokens appended, finished sequences freed
 
+A greedy DFlash step without prompt chunks and with few enough sequences
+runs schedule's drafts, run and postprocess's acceptance as one fused round
+(`fused_round.py`: one CUDA graph on CUDA), then the same bookkeeping.
+
 Greedy output is the same token for token with and without drafts, in both
 layouts, batched or alone. Knows the model only through the artifact; never
 imports mg.export. See docs/ARCHITECTURE.md section 6.
@@ -93,6 +97,8 @@ class Engine:
     def warm_up(self) -> None:
         """Capture the CUDA graphs of every bucket now rather than at first use (no-op without graphs)."""
         self.runner.warm_up()
+        if self.spec is not None:
+            self.spec.warm_up()
 
     def submit(self, request: Request) -> None:
         """Queue a request (RequestError when it can never be served)."""
@@ -147,6 +153,12 @@ class Engine:
         batch = self.scheduler.schedule(self.spec.choose if self.spec is not None else None)
         if not batch:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # invariant
+        if (self.spec is not None and not batch.prefill and any(batch.n_drafts)
+                and self.spec.fusable(batch.decode)):
+            self._fused_step(batch)
+            self.stats.steps += 1
+            self.spec.step_done(time.perf_counter() - t0, len(batch.decode) + sum(batch.n_drafts))
+            return
         drafts = (self.spec.propose(batch.decode, batch.n_drafts) if self.spec is not None
                   else StepDrafts.none(len(batch.decode)))
         step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens)
@@ -203,14 +215,33 @@ class Engine:
             offset += chunk.length
         if spec is not None:
             spec.commit(hidden, committed_rows, owners)
-        for (seq, _, _, _), toks in zip(step.groups, new_tokens):
+        self._append_tokens([g[0] for g in step.groups], new_tokens)
+
+    def _fused_step(self, batch: Batch) -> None:
+        """A greedy DFlash round of the decoding sequences as one fused call (`fused_round.py`): one copy to
+        the host, then the same bookkeeping as an unfused step."""
+        decode, ks = batch.decode, batch.n_drafts
+        out, hidden = self.spec.run_round(decode, ks)
+        host = out.tolist()  # the one copy per step
+        accepted = [row[0] for row in host]
+        for seq, k, a in zip(decode, ks, accepted):
+            seq.n_cached += a + 1
+            if a < k:
+                self.runner.cache.rewind(seq.slot, seq.n_cached)
+            self.spec.observe(seq, k, a)
+        self.spec.round_done(decode, ks, accepted, hidden)
+        self._append_tokens(decode, [row[1:2 + row[0]] for row in host])
+
+    def _append_tokens(self, seqs: list, new_tokens: list) -> None:
+        """Each sequence's new tokens; finished sequences are freed. Then context appends that are due."""
+        for seq, toks in zip(seqs, new_tokens):
             before = len(seq.tokens)
             reason = self.scheduler.append(seq, toks)
             self.stats.generated_tokens += len(seq.tokens) - before
             if reason is not None:
                 self._finish(seq, reason)
-        if spec is not None:
-            spec.end_commits()
+        if self.spec is not None:
+            self.spec.end_commits()
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._free(seq)

@@ -81,6 +81,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.program = artifact.program
+        if config.prefer_cublaslt:
+            _prefer_cublaslt()
         kv = artifact.manifest.kv
         self.cache = make_cache(kv, self.device, config.n_slots if config.n_slots is not None else kv.max_active_seqs)
         if config.use_triton is not None:
@@ -229,33 +231,10 @@ class ModelRunner:
 
     def measure(self, method: str, reps: int = 3) -> dict[int, float]:
         """Seconds per call of `method` at each bucket of its leading dimension, on blank inputs (scratch
-        slot, position 0: nothing live changes), through `call`. CPU: the fastest of `reps` calls; CUDA: the
-        mean of `reps` calls between two synchronisations, after one warm-up call (which captures the graph).
-        A call never costs less than a smaller one: each size keeps at most the time of the next larger."""
+        slot, position 0: nothing live changes), through `call` (see `time_buckets`)."""
         plan = self._plans[method]
-        out = {}
-        for size in buckets(plan.limit):
-            inputs = self._blank(plan, size)
-            live = [size, size]
-            self.call(method, inputs, live)  # warm-up: lazy inits, graph capture
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    self.call(method, inputs, live)
-                torch.cuda.synchronize(self.device)
-                out[size] = (time.perf_counter() - t0) / reps
-            else:
-                times = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    self.call(method, inputs, live)
-                    times.append(time.perf_counter() - t0)
-                out[size] = min(times)
-        sizes = sorted(out)
-        for small, large in zip(sizes[-2::-1], sizes[:0:-1]):  # from the top down: noise spikes are cut
-            out[small] = min(out[small], out[large])
-        return out
+        return time_buckets(self.device, buckets(plan.limit),
+                            lambda size: self.call(method, self._blank(plan, size), [size, size]), reps)
 
     # ------------------------------------------------------------------ blanks
 
@@ -270,6 +249,17 @@ class ModelRunner:
 
     def _eager_call(self, method: str) -> Callable[[list], list]:
         return lambda inputs: self._run(method, inputs, True)
+
+    @property
+    def plans(self) -> dict:
+        """Per method: its bound on the leading dimension (`limit`), blank inputs and cache (read only)."""
+        return self._plans
+
+    def run_method(self, method: str, inputs: list) -> list:
+        """`method` once on device inputs of one bucket, no padding, admission or graph: its compiled code
+        when the config compiles, else the interpreter. For callers that capture several methods in one
+        graph (`fused_round.py`); they admit the rows in the caches themselves."""
+        return self._run(method, inputs, True)
 
     def _run(self, method: str, inputs: list, padded: bool) -> list:
         """The method once, without graphs: compiled code for padded calls (every input one bucket long), else
@@ -332,6 +322,40 @@ def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, tab
     if new:
         log.info(f"mg-run: compiled {len(new)} method variants in {sum(e[3] for e in new):.1f}s")
     return {name: methods[name] for name in plans if methods[name] is not None}, compiler.stats
+
+
+def _prefer_cublaslt() -> None:
+    """CUDA matrix products through cuBLASLt, for the whole process (RunConfig.cublaslt); said once."""
+    if torch.backends.cuda.preferred_blas_library() != torch._C._BlasBackend.Cublaslt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        log.info("mg-run: CUDA matrix products go to cuBLASLt (process-wide)")
+
+
+def time_buckets(device: torch.device, sizes, call: Callable[[int], object], reps: int = 3) -> dict[int, float]:
+    """Seconds of `call(size)` per size. CPU: the fastest of `reps` calls; CUDA: the mean of `reps` calls
+    between two synchronisations, after one warm-up call (lazy inits, graph capture). A size never costs less
+    than a larger one's time says (from the top down: noise spikes are cut)."""
+    out = {}
+    for size in sizes:
+        call(size)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                call(size)
+            torch.cuda.synchronize(device)
+            out[size] = (time.perf_counter() - t0) / reps
+        else:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                call(size)
+                times.append(time.perf_counter() - t0)
+            out[size] = min(times)
+    ordered = sorted(out)
+    for small, large in zip(ordered[-2::-1], ordered[:0:-1]):
+        out[small] = min(out[small], out[large])
+    return out
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

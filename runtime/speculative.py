@@ -40,6 +40,12 @@ never shorter than keeps probing within PROBE_BUDGET of the sequence's plain
 decoding time, by the probe's predicted and then measured cost), so it
 notices when the text becomes predictable again.
 
+Fused rounds (`fused_round.py`, on with CUDA graphs): when a step can run
+its whole round as one call (`fusable`, and no prompt chunks), the engine
+asks `run_round` instead of propose -> forward -> accept, and `round_done`
+afterwards; adaptive speculation prices such a step by the measured time of
+a whole round at its bucket instead of forward + draft_block.
+
 Knows the model runner, the scheduler's records and the run config; nothing
 of sampling math (`spec_accept.py`) or mg.export. See docs/ARCHITECTURE.md
 section 6.5.
@@ -63,6 +69,7 @@ from mg.manifests import constants as C
 from mg.manifests.values import cache_root, write_cache_file
 
 from .config import SPECULATION_FIXED, RunConfig
+from .fused_round import ROUND, FusedRound, Member
 from .model_runner import ModelRunner, to_device
 
 
@@ -227,8 +234,10 @@ class CostModel:
     the host before the target step is launched)."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
-                 padded: bool, smoothing: float = 0.2):
+                 padded: bool, smoothing: float = 0.2, round: Optional[dict[int, float]] = None):
         self.tables = {"forward": dict(forward), "draft": dict(draft), "append": dict(append)}
+        if round is not None:  # fused rounds: the whole round's time per bucket of members
+            self.tables["round"] = dict(round)
         self._blank = {name: dict(t) for name, t in self.tables.items()}
         self._sizes = {name: sorted(t) for name, t in self.tables.items()}
         self._seen_sizes: dict[str, set] = {name: set() for name in self.tables}
@@ -285,6 +294,9 @@ class CostModel:
 
     def append(self, m: int) -> float:
         return self._predict("append", m)
+
+    def round(self, n: int) -> float:
+        return self._predict("round", n)
 
     def observe(self, name: str, n: int, seconds: float) -> None:
         """A measured call of `name` with leading dimension n: its bucket's entry moves towards it, and the
@@ -364,7 +376,8 @@ def _save_tables(key: tuple, device: torch.device, tables: tuple) -> tuple:
     """Keep `tables` for later processes (best effort: an unwritable cache is skipped); returns them."""
     write_cache_file(_tables_path(key, device), json.dumps(tables))
     return tables
-_TABLE_OF = {C.METHOD_FORWARD: "forward", C.METHOD_DRAFT_BLOCK: "draft", C.METHOD_DRAFT_APPEND: "append"}
+_TABLE_OF = {C.METHOD_FORWARD: "forward", C.METHOD_DRAFT_BLOCK: "draft", C.METHOD_DRAFT_APPEND: "append",
+             ROUND: "round"}
 
 
 class Speculator:
@@ -396,6 +409,13 @@ class Speculator:
         self._plain_rate = 0.0  # a plain step's tokens per second, as predicted when the round was chosen
         self._draft_rows = 0  # the round's draft rows
         self._probed: dict[int, int] = {}  # slot -> drafts its probe had accepted, until the step is timed
+        # Greedy rounds as one fused call (one CUDA graph): with the artifact's drafter only.
+        self.fused: Optional[FusedRound] = None
+        if config.fused and proposer is None:
+            fused = FusedRound(runner, block)
+            self.fused = fused if fused.limit >= 1 else None
+        self._fuse_now = False  # this step's round, if anyone drafts, is fused (as choose priced it)
+        self._fused_n = 0  # members of the fused round run this step (0: none)
         if self.adaptive:
             self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
             if runner.device.type == "cpu":  # calls are synchronous there: time each one
@@ -407,6 +427,7 @@ class Speculator:
         """Drafts per decoding sequence this round, summing to at most `rows_left`."""
         limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
         self._probing = set()
+        self._fuse_now = self.fusable(decode)
         if not self.adaptive:
             ks = []
             for k in limits:
@@ -429,14 +450,18 @@ class Speculator:
                     continue  # (the budget's floor below only lengthens the wait: not due without it, not due)
                 rows, b = n + sum(ks), sum(1 for k in ks if k)
                 k = min(limits[i], rows_left, self._probe_rows(rows))
-                extra = c.forward(rows + k) - c.forward(rows) + c.draft(b + 1) - c.draft(b)
+                extra = self._step_cost(n, rows - n + k, b + 1) - self._step_cost(n, rows - n, b)
                 if self.probes.due(s.slot, share, floor=rate * extra / PROBE_BUDGET):
                     ks[i] = k
                     rows_left -= k
                     self._probing.add(s.slot)
         chosen = [i for i, k in enumerate(ks) if k]
         self._prediction = (len(chosen), sum(self._waiting.count[decode[i].slot] for i in chosen))
-        if chosen:  # each drafting sequence's predicted seconds on top of a plain step: verify rows, draft share
+        if chosen and self._fuse_now:  # each drafting sequence's predicted seconds on top of a plain step
+            share = (c.round(n) - c.forward(n)) / len(chosen)
+            self._extra = {decode[i].slot: share for i in chosen}
+            self._plain_rate, self._draft_rows = rate, sum(ks)
+        elif chosen:  # verify rows, and a share of the draft call
             rows, share = n + sum(ks), c.draft(len(chosen)) / len(chosen)
             self._extra = {decode[i].slot: c.forward(rows) - c.forward(rows - ks[i]) + share for i in chosen}
             self._plain_rate, self._draft_rows = rate, sum(ks)
@@ -451,7 +476,7 @@ class Speculator:
         # Bounds (most steps of a batch the drafter does not help end at the first): every draft row accepted
         # in expectation, at the cheapest drafting step's time; in the search, at the time of the prefix so
         # far (a step's time never falls as rows, drafting sequences and waiting context grow).
-        cheapest = costs.forward(n + 1) + costs.draft(1) + costs.residual(True)
+        cheapest = self._step_cost(n, 1, 1) + costs.residual(True)
         bound = n + sum(map(sum, gains))
         if rows_left <= 0 or (cheapest > 0 and bound / cheapest <= best_ratio):
             return [0] * n
@@ -470,7 +495,7 @@ class Speculator:
                 drafting += 1
                 waiting += self._waiting.count[decode[i].slot]
             ks[i] += 1
-            t = costs.forward(n + rows) + costs.draft(drafting) + costs.append(waiting) + costs.residual(True)
+            t = self._step_cost(n, rows, drafting) + costs.append(waiting) + costs.residual(True)
             ratio = (n + tokens) / t
             if ratio > best_ratio:
                 best_ratio, best = ratio, len(taken)
@@ -481,9 +506,21 @@ class Speculator:
             ks[i] += 1
         return ks
 
+    def _step_cost(self, n: int, draft_rows: int, drafting: int) -> float:
+        """Predicted seconds of the calls of a step of n decoding sequences with `draft_rows` drafts among
+        `drafting` of them (context appends and host work apart): one fused round when this step fuses and
+        anyone drafts, else the target forward over every row plus the draft call."""
+        c = self.costs
+        if drafting and self._fuse_now:
+            return c.round(n)
+        return c.forward(n + draft_rows) + c.draft(drafting)
+
     def _probe_rows(self, rows: int) -> int:
         """Drafts of a probe: at least 4, more while the step's rows stay nearly free (within 10% of one more
-        row's forward time: padded buckets on CUDA), up to the block."""
+        row's forward time: padded buckets on CUDA), up to the block; a fused round verifies the whole block
+        whatever the drafts, so its probes take the block."""
+        if self._fuse_now:
+            return self.block - 1
         c, k = self.costs, 4
         while k < self.block - 1 and c.forward(rows + k + 1) <= 1.1 * c.forward(rows + 1):
             k += 1
@@ -511,11 +548,17 @@ class Speculator:
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
         key = (r.artifact.manifest.files[0].sha256 if r.artifact.manifest.files else str(r.artifact.directory),
-               str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None))
+               str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None),
+               self.block if self.fused is not None else None)
         if key not in _COST_TABLES:
-            _COST_TABLES[key] = _load_tables(key, r.device) or _save_tables(key, r.device, (
-                r.measure(C.METHOD_FORWARD), r.measure(C.METHOD_DRAFT_BLOCK), r.measure(C.METHOD_DRAFT_APPEND)))
-        return CostModel(*_COST_TABLES[key], padded=cfg.padded)
+            tables = _load_tables(key, r.device)
+            if tables is None or len(tables) != 3 + (self.fused is not None):
+                tables = _save_tables(key, r.device, (
+                    r.measure(C.METHOD_FORWARD), r.measure(C.METHOD_DRAFT_BLOCK), r.measure(C.METHOD_DRAFT_APPEND),
+                    *([self.fused.measure()] if self.fused is not None else [])))
+            _COST_TABLES[key] = tables
+        forward, draft, append, *fused = _COST_TABLES[key]
+        return CostModel(forward, draft, append, padded=cfg.padded, round=fused[0] if fused else None)
 
     def step_done(self, measured_s: float, rows: int) -> None:
         """The engine's wall time of the step just run and its forward's row count. Timed calls (CPU) refine
@@ -526,6 +569,8 @@ class Speculator:
             drafting, waiting = self._prediction
             if log is not None:
                 predicted = sum(seconds for _, _, seconds in log)
+            elif self._fused_n:
+                predicted = c.round(self._fused_n) + c.append(waiting) + c.append(self._flushed)
             else:
                 predicted = (c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
                              + c.append(self._flushed))
@@ -537,7 +582,7 @@ class Speculator:
                 c.observe(_TABLE_OF[method], n, seconds)
         if log is not None:
             log.clear()
-        self._prediction, self._flushed = None, 0
+        self._prediction, self._flushed, self._fused_n = None, 0, 0
 
     # ------------------------------------------------------------------ 2. propose
 
@@ -549,10 +594,7 @@ class Speculator:
         if not live:
             return StepDrafts.none(len(decode))
         self._append_waiting([s.slot for s, _ in live])
-        for s, _ in live:
-            if self._appended.get(s.slot, 0) != s.n_cached:  # an invariant: the drafter sees all committed rows
-                raise RuntimeError(f"draft context of slot {s.slot} holds {self._appended.get(s.slot, 0)} "
-                                   f"positions; the sequence has {s.n_cached} committed")
+        self._check_context([s for s, _ in live])
         drafts = self.proposer.propose([s for s, _ in live], [k for _, k in live])
         device = self.runner.device
         if not isinstance(drafts, torch.Tensor):  # lists (e.g. a test's proposer): one host-to-device copy
@@ -564,6 +606,46 @@ class Speculator:
             drafts = torch.zeros(len(decode), drafts.shape[1], dtype=torch.long, device=device).index_copy_(
                 0, rows, drafts)
         return StepDrafts(list(ks), drafts)
+
+    # ------------------------------------------------------------------ 2'. the fused round
+
+    def fusable(self, decode: list) -> bool:
+        """Can a round of these decoding sequences run fused: fused rounds on, at most the fused round's
+        limit of sequences, every one greedy. (The engine also needs a step without prefill chunks.)"""
+        return (self.fused is not None and 0 < len(decode) <= self.fused.limit
+                and all(s.request.sampling.greedy for s in decode))
+
+    def run_round(self, decode: list, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused round of `decode` (`fused_round.py`), k = ks[i] drafts at most each (0: a plain step
+        for it): the drafting sequences' waiting context is appended first. Returns the round's outputs on
+        the device: [len(decode), block + 1] (accepted drafts, then the committed tokens) and hidden rows."""
+        for k in ks:
+            _bump(self.stats.chosen_k_hist, k)
+        drafting = [s for s, k in zip(decode, ks) if k > 0]
+        self._append_waiting([s.slot for s in drafting])
+        self._check_context(drafting)
+        self._fused_n = len(decode)
+        return self.fused.run([Member(s.tokens[-1], s.n_cached, s.slot, k) for s, k in zip(decode, ks)])
+
+    def round_done(self, decode: list, ks: list[int], accepted: list[int], hidden: torch.Tensor) -> None:
+        """After a fused round, each sequence's `n_cached` already advanced by its committed tokens: the
+        draft context of drafting sequences holds every verified row and goes back to the committed ones;
+        a sequence that did not draft commits its one row's hidden state like an unfused plain step."""
+        rows, owners = [], []
+        for i, (seq, k, a) in enumerate(zip(decode, ks, accepted)):
+            if k > 0:
+                if a < k:
+                    self.runner.draft_cache.rewind(seq.slot, seq.n_cached)
+                self._appended[seq.slot] = seq.n_cached
+            else:
+                rows.append(i * self.fused.block)
+                owners.append((seq.slot, 1))
+        self.commit(hidden, rows, owners)
+
+    def warm_up(self) -> None:
+        """Capture the fused round's graphs now (a no-op without them, or once measured)."""
+        if self.fused is not None:
+            self.fused.warm_up()
 
     # ------------------------------------------------------------------ 3. observe and commit
 
@@ -611,6 +693,13 @@ class Speculator:
         self.acceptance.reset(slot)
         self.probes.reset(slot)
         self._probed.pop(slot, None)
+
+    def _check_context(self, seqs: list) -> None:
+        """An invariant before a draft: the drafter holds every committed row of each sequence."""
+        for s in seqs:
+            if self._appended.get(s.slot, 0) != s.n_cached:
+                raise RuntimeError(f"draft context of slot {s.slot} holds {self._appended.get(s.slot, 0)} "
+                                   f"positions; the sequence has {s.n_cached} committed")
 
     def _append_waiting(self, slots: list[int]) -> int:
         """Append the waiting context rows of `slots` (one gather, then `draft_append` calls); returns how many."""

@@ -164,11 +164,15 @@ def test_greedy_generation_with_graphs_equals_eager_and_cpu(which, request, tiny
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("which", ["tiny_seq_artifact", "tiny_dflash_seq_artifact"])
-def test_storage_growth_recaptures_and_outputs_still_equal(which, request, tiny_cfg):
+@pytest.mark.parametrize("which,fused", [("tiny_seq_artifact", None), ("tiny_dflash_seq_artifact", False),
+                                         ("tiny_dflash_seq_artifact", True)])
+def test_storage_growth_recaptures_and_outputs_still_equal(which, fused, request, tiny_cfg):
+    """Graphs captured at warm-up, then storage grows mid-run: every graph reading it (per method, or the
+    fused DFlash round's) is captured again before its next replay, and the tokens do not change."""
     art = request.getfixturevalue(which)
     reqs = _requests(tiny_cfg.vocab_size, lengths=(61, 3), max_new=(33, 40))  # flat columns grow 64 -> 96 rows
-    engine = _engine(art, "cuda", speculation="fixed", reserve_kv=False)  # storage that grows (not the default)
+    engine = _engine(art, "cuda", speculation="fixed", reserve_kv=False, fused_rounds=fused)  # storage that grows
+    engine.warm_up()
     got = _tokens(engine, reqs)
     assert engine.cache.metrics().growth_count > 0 and engine.graph_counters.recaptures > 0
     assert got == _tokens(_engine(art, dflash=False), reqs)

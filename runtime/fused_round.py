@@ -1,0 +1,192 @@
+"""A whole DFlash round as one call: draft -> verify -> accept -> draft context, one CUDA graph per bucket.
+
+The unfused round (docs/ARCHITECTURE.md section 6.5) is three method calls with host work between them:
+`draft_block`, then the drafts packed into the target `forward`'s verify rows, then acceptance, and the
+committed rows' hidden states appended to the draft cache by a later `draft_append`. On a GPU each call is
+a graph replay of a few hundred microseconds of small kernels, and the host work between them costs as much
+again. `FusedRound` runs the round for up to `limit` decoding sequences ("members") as one function of one
+packed index tensor, captured in one CUDA graph per bucket of members (1, 2, 4, ...):
+
+    1. `draft_block` of every drafting member's block [pending, mask, ...] anchored at its pending
+       token's position; argmax drafts stay on the device;
+    2. the target `forward` of `block` rows per member: [pending, d1 .. d_{block-1}]; a member verifies
+       only its first 1 + cap rows (cap = its chosen k; the other rows are padding on the scratch slot);
+    3. greedy acceptance (`spec_accept.accept`): the longest prefix of drafts, up to cap, equal to the
+       target's argmax, then the target's argmax;
+    4. `draft_append` of the verified rows' hidden states of drafting members at their positions.
+
+Step 4 appends every verified row, accepted or not: the drafter reads only positions before a block's
+anchor (`mg::draft_attend`), so rows past the committed length are never read, and the host rewinds the
+draft cache to the committed length after the round, as it does the target cache. A drafting member's
+context must be complete before the round (its waiting rows appended: `Speculator` does that). Non-drafting
+members (cap 0) are plain decode steps inside the round: no draft rows, their one row's hidden state is
+left in the output for the caller to commit.
+
+Output: [bucket, block + 1] int64 per member: accepted drafts, then the committed tokens (-1 after), and
+the hidden states [bucket * block, width]; both are static buffers overwritten by the next call. The host
+learns the outcome from one copy of the live members' rows. Greedy only: sampled requests take the
+unfused round.
+
+Without CUDA graphs (CPU; `RunConfig.fused_rounds=True` forces it there) the same function runs eagerly:
+that is the path the CPU tests compare with the unfused round and with target-only decoding.
+
+Knows the model runner's methods, caches and op table, and the acceptance step; nothing of scheduling or
+adaptive speculation. Never imports mg.export.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from mg.manifests import constants as C
+
+from .cuda_graphs import GraphRunner, bucket_for, buckets
+from .model_runner import ModelRunner, time_buckets
+from .sampling import SamplingBatch, SamplingParams
+from .spec_accept import accept
+
+
+@dataclass(frozen=True)
+class Member:
+    """One decoding sequence of a fused round: its pending token, the position and slot it goes to, and the
+    most drafts it may accept (0: a plain decode step in the round)."""
+
+    pending: int
+    position: int
+    slot: int
+    cap: int
+
+
+class FusedRound:
+    """One DFlash round per call for up to `limit` members; see the module docstring."""
+
+    def __init__(self, runner: ModelRunner, block: int):
+        self.runner, self.block = runner, block
+        self.t = runner.block_size  # the exported drafter's block (its drafts: t - 1 >= block - 1)
+        plans = runner.plans
+        self.limit = min(plans[C.METHOD_DRAFT_BLOCK].limit, plans[C.METHOD_FORWARD].limit // block,
+                         plans[C.METHOD_DRAFT_APPEND].limit // block)
+        self._greedy: dict[int, SamplingBatch] = {}
+        self._graphs: Optional[GraphRunner] = None
+        if runner.config.graphs and self.limit >= 1:
+            self._graphs = GraphRunner(self._round, lambda b: [self._pack([], b).to(runner.device)],
+                                       self._version, runner.counters)
+
+    # ------------------------------------------------------------------ the packed inputs
+
+    def _sizes(self, b: int) -> list[int]:
+        k = self.block
+        # pending | block positions | block slots | verify positions | verify slots | caps | append positions | append slots
+        return [b, b * self.t, b, b * k, b * k, b, b * k, b * k]
+
+    def _pack(self, members: list[Member], bucket: int) -> torch.Tensor:
+        """The round's index tensor on the host (members first, then padding members)."""
+        k, t, n = self.block, self.t, len(members)
+        target_scratch, draft_scratch = self.runner.cache.scratch_slot, self.runner.draft_cache.scratch_slot
+        pending = np.zeros(bucket, np.int64)
+        anchor = np.zeros(bucket, np.int64)
+        slot = np.zeros(bucket, np.int64)
+        cap = np.zeros(bucket, np.int64)
+        live = np.zeros(bucket, bool)
+        if n:
+            pending[:n], anchor[:n], slot[:n], cap[:n] = np.array(
+                [(m.pending, m.position, m.slot, m.cap) for m in members], np.int64).T
+            live[:n] = True
+        drafting = live & (cap > 0)
+        cols = np.arange(k)
+        verified = live[:, None] & (cols[None, :] <= cap[:, None])  # [bucket, k]: rows 0..cap of live members
+        appended = verified & drafting[:, None]
+        pos = anchor[:, None] + cols[None, :]
+        parts = [
+            pending,
+            np.where(drafting[:, None], anchor[:, None], 0) + np.arange(t)[None, :],
+            np.where(drafting, slot, draft_scratch),
+            np.where(verified, pos, 0), np.where(verified, slot[:, None], target_scratch),
+            cap,
+            np.where(appended, pos, 0), np.where(appended, slot[:, None], draft_scratch),
+        ]
+        return torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
+
+    def _split(self, packed: torch.Tensor, b: int) -> list[torch.Tensor]:
+        return list(packed.split(self._sizes(b)))
+
+    # ------------------------------------------------------------------ the round
+
+    def _round(self, inputs: list) -> list:
+        """The round on device inputs of one bucket (captured in a graph on CUDA): [out, hidden]."""
+        (packed,) = inputs
+        b = packed.shape[0] // sum(self._sizes(1))
+        pending, blk_pos, blk_slot, ver_pos, ver_slot, cap, app_pos, app_slot = self._split(packed, b)
+        r, k, dev = self.runner, self.block, packed.device
+        drafts = self.draft(pending, blk_pos.view(b, self.t), blk_slot)[:, :k - 1]
+        tokens = torch.cat([pending[:, None], drafts], 1).reshape(-1)
+        rows = torch.arange(b * k, device=dev)
+        logits, hidden = r.run_method(C.METHOD_FORWARD, [tokens, ver_pos, ver_slot, rows])[:2]
+        zeros = torch.zeros(b, dtype=torch.long, device=dev)
+        result = accept(drafts, None, logits.view(b, k, -1), cap, self._greedy_batch(b, dev), zeros)
+        r.run_method(C.METHOD_DRAFT_APPEND, [hidden, app_pos, app_slot])
+        return [torch.cat([result.n_accepted[:, None], result.tokens], 1), hidden]
+
+    def draft(self, pending: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Argmax drafts [b, t - 1] of the blocks [pending, mask, ...] at `positions` [b, t] of draft `slots`."""
+        blk = torch.cat([pending[:, None], torch.full((pending.shape[0], self.t - 1), self.runner.mask_token,
+                                                      dtype=torch.long, device=pending.device)], 1)
+        return self.runner.run_method(C.METHOD_DRAFT_BLOCK, [blk, positions, slots])[0].argmax(dim=-1)
+
+    def _greedy_batch(self, b: int, device: torch.device) -> SamplingBatch:
+        if b not in self._greedy:
+            self._greedy[b] = SamplingBatch.from_params([SamplingParams()] * b, device=device)
+        return self._greedy[b]
+
+    def _version(self) -> tuple[int, int]:
+        return self.runner.cache.storage_version(), self.runner.draft_cache.storage_version()
+
+    def run(self, members: list[Member]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The round of `members` (1 .. limit): admits its rows in both caches (host), runs it (graph replay on
+        CUDA), returns (out [len(members), block + 1], hidden [bucket * block, width]) on the device."""
+        n = len(members)
+        bucket = bucket_for(n, self.limit)
+        if n == 0 or bucket is None:
+            raise ValueError(f"a fused round of {n} sequences; allowed: 1..{self.limit}")
+        t0 = time.perf_counter()
+        packed = self._pack(members, bucket)
+        _, _, _, ver_pos, ver_slot, _, app_pos, app_slot = self._split(packed, bucket)
+        self.runner.cache.declare_step(ver_pos, ver_slot)
+        self.runner.draft_cache.declare_step(app_pos, app_slot)
+        if self._graphs is not None:
+            out, hidden = self._graphs.run(bucket, [packed])
+        else:
+            out, hidden = self._round([packed.to(self.runner.device)])
+        log = self.runner.call_log
+        if log is not None:
+            log.append((ROUND, n, time.perf_counter() - t0))
+        return out[:n], hidden
+
+    # ------------------------------------------------------------------ warm-up and costs
+
+    def warm_up(self) -> None:
+        """Capture every bucket's graph now, on padding-only rounds (nothing to do without graphs)."""
+        if self._graphs is not None:
+            for b in buckets(self.limit):
+                self._run_blank(b)
+
+    def _run_blank(self, b: int) -> None:
+        packed = self._pack([], b)
+        self.runner.cache.declare_step(*self._split(packed, b)[3:5])
+        self.runner.draft_cache.declare_step(*self._split(packed, b)[6:8])
+        if self._graphs is not None:
+            self._graphs.run(b, [packed])
+        else:
+            self._round([packed.to(self.runner.device)])
+
+    def measure(self, reps: int = 3) -> dict[int, float]:
+        """Seconds per round at each bucket, on padding-only rounds (as `ModelRunner.measure` times methods)."""
+        return time_buckets(self.runner.device, buckets(self.limit), self._run_blank, reps)
+
+
+ROUND = "dflash_round"  # the call log's name for a fused round

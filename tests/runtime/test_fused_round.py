@@ -1,0 +1,254 @@
+"""A fused DFlash round (draft, verify, accept and draft context in one call) gives what unfused rounds give.
+
+CPU tests run the fused round eagerly (`fused_rounds=True`); the CUDA tests (skipped without a device)
+replay it from CUDA graphs. Drafts come from the artifact's (random) drafter, which agrees with the target
+almost never, or from an oracle that knows the target's greedy output and spoils every ninth position, so
+rounds accept whole blocks, parts of blocks and nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mg.runtime.artifact import load_artifact
+from mg.runtime.config import RunConfig
+from mg.runtime.engine import Engine
+from mg.runtime.fused_round import FusedRound, Member
+from mg.runtime.sampling import SamplingParams
+from mg.runtime.scheduler import Request
+
+LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
+TARGET_ONLY = RunConfig(dflash=False)
+FUSED = RunConfig(speculation="fixed", fused_rounds=True)
+UNFUSED = RunConfig(speculation="fixed", fused_rounds=False)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _requests(vocab: int, max_new=(12, 5, 20, 9, 16), **kw) -> list[Request]:
+    gen = torch.Generator().manual_seed(21)
+    return [Request(f"r{i}", tuple(torch.randint(4, vocab, (n,), generator=gen).tolist()), m, **kw)
+            for i, (n, m) in enumerate(zip((1, 6, 13, 27, 40), max_new))]
+
+
+def _tokens(engine, reqs) -> list:
+    return [r.tokens for r in engine.run(reqs)]
+
+
+def _oracle_tokens(reference: dict, seq, width: int) -> list[int]:
+    """What the target says next after `seq`'s pending token, spoiled at every ninth position (so the same
+    draft at a position, whatever the width asked)."""
+    ref = reference[seq.request.id]
+    out = list(ref[seq.n_generated:seq.n_generated + width])
+    out += [5] * (width - len(out))
+    return [(t + 1) % 512 if (seq.n_cached + 1 + j) % 9 == 0 else t for j, t in enumerate(out)]
+
+
+class OracleProposer:
+    """Unfused rounds: the oracle as a proposer."""
+
+    def __init__(self, reference: dict):
+        self.reference = reference
+
+    def propose(self, seqs, ks):
+        return [_oracle_tokens(self.reference, s, k) for s, k in zip(seqs, ks)]
+
+
+def _fused_oracle(engine, reference: dict) -> None:
+    """The oracle in place of the drafter's block in fused rounds (eager rounds only: it reads the host), and
+    as the proposer of the engine's unfused rounds (steps with prefill chunks)."""
+    fused = engine.spec.fused
+    engine.spec.proposer = OracleProposer(reference)
+
+    def draft(pending, positions, slots):
+        by_slot = {s.slot: s for s in engine.scheduler.running}
+        rows = [_oracle_tokens(reference, by_slot[slot], fused.t - 1) if slot in by_slot else [0] * (fused.t - 1)
+                for slot in slots.tolist()]
+        return torch.tensor(rows, dtype=torch.long, device=pending.device)
+
+    fused.draft = draft
+
+
+def _count_rounds(engine) -> list:
+    """Members of every fused round the engine runs."""
+    calls, run = [], engine.spec.fused.run
+
+    def counting(members):
+        calls.append([m.cap for m in members])
+        return run(members)
+
+    engine.spec.fused.run = counting
+    return calls
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_fused_rounds_give_target_only_tokens_and_the_unfused_acceptance(which, request, tiny_cfg):
+    art = load_artifact(request.getfixturevalue(which))
+    reqs = _requests(tiny_cfg.vocab_size, max_new=(30, 14, 24, 18, 22), ignore_eos=True)
+    reference = _tokens(Engine(art, TARGET_ONLY), reqs)
+    by_id = {r.id: out for r, out in zip(reqs, reference)}
+    unfused = Engine(art, UNFUSED, proposer=OracleProposer(by_id))
+    assert _tokens(unfused, reqs) == reference
+    fused = Engine(art, FUSED)
+    _fused_oracle(fused, by_id)
+    rounds = _count_rounds(fused)
+    assert _tokens(fused, reqs) == reference
+    hist = fused.spec_stats.accepted_hist
+    assert rounds and hist == unfused.spec_stats.accepted_hist
+    assert hist[0] > 0 and sum(hist[1:-1]) > 0 and len(hist) == fused.spec.block  # none, some, whole blocks
+    assert fused.spec_stats.chosen_k_hist == unfused.spec_stats.chosen_k_hist
+    assert any(len(caps) > 1 for caps in rounds)  # several sequences per round; near the end, caps from room:
+    assert any(min(caps) < fused.spec.block - 1 for caps in rounds)
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_fused_rounds_leave_the_draft_context_the_unfused_rounds_leave(which, request, tiny_cfg):
+    """Step by step, the drafter's cache holds the same K/V at every committed position it holds in both
+    engines (the fused round appends every verified row, then goes back to the committed ones), and a
+    fused round's drafting sequences hold exactly their committed positions."""
+    art = load_artifact(request.getfixturevalue(which))
+    reqs = _requests(tiny_cfg.vocab_size, max_new=(30, 14, 24, 18, 22), ignore_eos=True)
+    by_id = {r.id: out for r, out in zip(reqs, _tokens(Engine(art, TARGET_ONLY), reqs))}
+    unfused, fused = Engine(art, UNFUSED, proposer=OracleProposer(by_id)), Engine(art, FUSED)
+    _fused_oracle(fused, by_id)
+    rounds = _count_rounds(fused)
+    for engine in (unfused, fused):
+        for r in reqs:
+            engine.submit(r)
+    compared = 0
+    while not fused.scheduler.idle:
+        n_rounds = len(rounds)
+        unfused.step()
+        fused.step()
+        seqs = {s.request.id: s for s in unfused.scheduler.running}
+        for s in fused.scheduler.running:
+            u = seqs[s.request.id]
+            assert s.n_cached == u.n_cached
+            held = min(unfused.spec._appended.get(u.slot, 0), fused.spec._appended.get(s.slot, 0))
+            if len(rounds) > n_rounds and s.n_generated > 1:
+                assert fused.spec.runner.draft_cache.length(s.slot) == fused.spec._appended[s.slot] == s.n_cached
+            if held == 0:
+                continue
+            pos = torch.arange(held)[None, :]
+            for layer in range(len(fused.spec.runner.draft_cache.spec.layers)):
+                got = fused.spec.runner.draft_cache.gather(layer, pos, torch.tensor([s.slot]))
+                want = unfused.spec.runner.draft_cache.gather(layer, pos, torch.tensor([u.slot]))
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+            compared += 1
+    assert unfused.scheduler.idle and compared > 10 and rounds
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_sequences_that_do_not_draft_ride_a_fused_round_as_plain_steps(which, request, tiny_cfg):
+    """Rounds where some sequences draft and others do not (adaptive speculation's choice per sequence):
+    the others commit their one row, their draft context stays whole for when they draft again, and the
+    output stays the target-only output."""
+    art = load_artifact(request.getfixturevalue(which))
+    reqs = _requests(tiny_cfg.vocab_size, max_new=(20, 14, 24, 18, 22), ignore_eos=True)
+    reference = _tokens(Engine(art, TARGET_ONLY), reqs)
+    engine = Engine(art, FUSED)
+    rounds = _count_rounds(engine)
+    choose, steps = engine.spec.choose, [0]
+
+    def alternate(decode, rows_left):  # every other sequence, by step, plain
+        steps[0] += 1
+        return [0 if (i + steps[0]) % 2 else k for i, k in enumerate(choose(decode, rows_left))]
+
+    engine.spec.choose = alternate
+    assert _tokens(engine, reqs) == reference
+    assert any(0 in caps and any(caps) for caps in rounds)
+    assert engine.spec_stats.chosen_k_hist[0] > 0
+
+
+def test_sampled_requests_take_the_unfused_round(tiny_dflash_seq_artifact, tiny_cfg):
+    art = load_artifact(tiny_dflash_seq_artifact)
+    reqs = _requests(tiny_cfg.vocab_size, sampling=SamplingParams(temperature=0.8, seed=7))
+    engine = Engine(art, FUSED)
+    rounds = _count_rounds(engine)
+    assert _tokens(engine, reqs) == _tokens(Engine(art, UNFUSED), reqs)
+    assert rounds == [] and engine.spec_stats.rounds > 0
+
+
+def test_a_rounds_packed_inputs_put_padding_on_the_scratch_slots(tiny_dflash_seq_artifact):
+    engine = Engine(load_artifact(tiny_dflash_seq_artifact), FUSED)
+    fused, runner = engine.spec.fused, engine.runner
+    k, t = fused.block, fused.t
+    ts, ds = runner.cache.scratch_slot, runner.draft_cache.scratch_slot
+    packed = fused._pack([Member(11, 20, 1, 3), Member(12, 7, 0, 0)], 4)
+    pending, blk_pos, blk_slot, ver_pos, ver_slot, cap, app_pos, app_slot = fused._split(packed, 4)
+    assert pending.tolist() == [11, 12, 0, 0] and cap.tolist() == [3, 0, 0, 0]
+    assert blk_pos.view(4, t)[0].tolist() == list(range(20, 20 + t))
+    assert blk_pos.view(4, t)[1:].tolist() == [list(range(t))] * 3 and blk_slot.tolist() == [1, ds, ds, ds]
+    ver_pos, ver_slot = ver_pos.view(4, k).tolist(), ver_slot.view(4, k).tolist()
+    assert ver_pos[0] == [20, 21, 22, 23] + [0] * (k - 4) and ver_slot[0] == [1] * 4 + [ts] * (k - 4)
+    assert ver_pos[1] == [7] + [0] * (k - 1) and ver_slot[1] == [0] + [ts] * (k - 1)
+    assert ver_pos[2:] == [[0] * k] * 2 and ver_slot[2:] == [[ts] * k] * 2
+    app_pos, app_slot = app_pos.view(4, k).tolist(), app_slot.view(4, k).tolist()
+    assert app_pos[0] == ver_pos[0] and app_slot[0] == [1] * 4 + [ds] * (k - 4)
+    assert app_pos[1:] == [[0] * k] * 3 and app_slot[1:] == [[ds] * k] * 3
+
+
+def test_a_round_of_no_sequences_or_too_many_is_refused(tiny_dflash_seq_artifact):
+    fused = Engine(load_artifact(tiny_dflash_seq_artifact), FUSED).spec.fused
+    with pytest.raises(ValueError, match=r"a fused round of 0 sequences; allowed: 1\.\.3"):
+        fused.run([])
+    with pytest.raises(ValueError, match=r"of 4 sequences"):
+        fused.run([Member(5, 0, i, 1) for i in range(4)])
+
+
+def test_fused_rounds_are_off_without_graphs_by_default_and_with_a_test_proposer(tiny_dflash_seq_artifact):
+    art = load_artifact(tiny_dflash_seq_artifact)
+    assert Engine(art, RunConfig()).spec.fused is None  # CPU: no graphs
+    assert isinstance(Engine(art, FUSED).spec.fused, FusedRound)
+    assert Engine(art, FUSED, proposer=OracleProposer({})).spec.fused is None
+    assert RunConfig(device="cuda").fused and not RunConfig(device="cuda", cuda_graphs=False).fused
+
+
+def test_cublaslt_is_preferred_on_cuda_only_unless_turned_off():
+    assert RunConfig(device="cuda").prefer_cublaslt and not RunConfig(device="cuda", cublaslt=False).prefer_cublaslt
+    assert not RunConfig().prefer_cublaslt and not RunConfig(cublaslt=True).prefer_cublaslt
+
+
+def test_mg_run_fused_rounds_flag_gives_the_same_output(tiny_dflash_cell_artifact):
+    from click.testing import CliRunner
+
+    from mg.runtime.cli import main
+
+    args = [str(tiny_dflash_cell_artifact), "--prompt", "ab", "--prompt", "hello there", "--max-new-tokens", "9",
+            "--speculation", "fixed"]
+    fused, unfused = (CliRunner().invoke(main, args + [flag]) for flag in ("--fused-rounds", "--no-fused-rounds"))
+    assert fused.exit_code == 0 and unfused.exit_code == 0, fused.stderr + unfused.stderr
+    assert fused.stdout == unfused.stdout and fused.stdout.count("\n") == 2
+
+
+@pytest.mark.parametrize("block", [2, 5])
+def test_fused_rounds_with_a_draft_block_below_the_exported_one(tiny_dflash_seq_artifact, tiny_cfg, block):
+    art = load_artifact(tiny_dflash_seq_artifact)
+    reqs = _requests(tiny_cfg.vocab_size, ignore_eos=True)
+    engine = Engine(art, RunConfig(speculation="fixed", fused_rounds=True, draft_block=block))
+    rounds = _count_rounds(engine)
+    assert engine.spec.fused.limit == min(3, 24 // block)
+    assert _tokens(engine, reqs) == _tokens(Engine(art, TARGET_ONLY), reqs)
+    assert rounds and max(max(caps) for caps in rounds) == block - 1
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_fused_rounds_from_cuda_graphs_match_target_only_and_eager_rounds(which, policy, request, tiny_cfg):
+    art = load_artifact(request.getfixturevalue(which), device="cuda")
+    reqs = _requests(tiny_cfg.vocab_size, ignore_eos=True)
+    reference = _tokens(Engine(art, RunConfig(device="cuda", dflash=False)), reqs)
+    graphs = Engine(art, RunConfig(device="cuda", speculation=policy))
+    graphs.warm_up()
+    assert graphs.spec.fused is not None
+    assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    rounds, captures = _count_rounds(graphs), graphs.graph_counters.captures
+    assert _tokens(graphs, reqs) == reference
+    assert graphs.graph_counters.captures == captures  # every bucket captured at warm-up
+    eager = Engine(art, RunConfig(device="cuda", speculation=policy, cuda_graphs=False, fused_rounds=True))
+    assert _tokens(eager, reqs) == reference
+    if policy == "fixed":
+        assert rounds and graphs.spec_stats.accepted_hist == eager.spec_stats.accepted_hist
