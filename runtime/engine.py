@@ -150,7 +150,7 @@ class Engine:
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule(self.spec.choose if self.spec is not None else None)
+        batch = self.scheduler.schedule(self._choose if self.spec is not None else None)
         if not batch:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # invariant
         if (self.spec is not None and not batch.prefill and any(batch.n_drafts)
@@ -168,6 +168,11 @@ class Engine:
         self.stats.steps += 1
         if self.spec is not None:
             self.spec.step_done(time.perf_counter() - t0, step.tokens.shape[0])
+
+    def _choose(self, decode: list, rows_left: int) -> list[int]:
+        """The speculator's drafts, told whether prompt chunks may join the step (the scheduler has admitted
+        this step's requests when it asks)."""
+        return self.spec.choose(decode, rows_left, prefill=any(s.in_prefill for s in self.scheduler.running))
 
     # ------------------------------------------------------------------ run and postprocess
 

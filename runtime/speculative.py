@@ -423,11 +423,12 @@ class Speculator:
 
     # ------------------------------------------------------------------ 1. choose
 
-    def choose(self, decode: list, rows_left: int) -> list[int]:
-        """Drafts per decoding sequence this round, summing to at most `rows_left`."""
+    def choose(self, decode: list, rows_left: int, prefill: bool = False) -> list[int]:
+        """Drafts per decoding sequence this round, summing to at most `rows_left`. `prefill`: prompt chunks
+        may join the step (it then cannot fuse, and is priced as separate calls)."""
         limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
         self._probing = set()
-        self._fuse_now = self.fusable(decode)
+        self._fuse_now = not prefill and self.fusable(decode)
         if not self.adaptive:
             ks = []
             for k in limits:
@@ -549,7 +550,7 @@ class Speculator:
         r, cfg = self.runner, self.config
         key = (r.artifact.manifest.files[0].sha256 if r.artifact.manifest.files else str(r.artifact.directory),
                str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None),
-               self.block if self.fused is not None else None)
+               cfg.prefer_cublaslt, self.block if self.fused is not None else None)
         if key not in _COST_TABLES:
             tables = _load_tables(key, r.device)
             if tables is None or len(tables) != 3 + (self.fused is not None):

@@ -151,14 +151,43 @@ def test_sequences_that_do_not_draft_ride_a_fused_round_as_plain_steps(which, re
     rounds = _count_rounds(engine)
     choose, steps = engine.spec.choose, [0]
 
-    def alternate(decode, rows_left):  # every other sequence, by step, plain
+    def alternate(decode, rows_left, **kw):  # every other sequence, by step, plain
         steps[0] += 1
-        return [0 if (i + steps[0]) % 2 else k for i, k in enumerate(choose(decode, rows_left))]
+        return [0 if (i + steps[0]) % 2 else k for i, k in enumerate(choose(decode, rows_left, **kw))]
 
     engine.spec.choose = alternate
     assert _tokens(engine, reqs) == reference
     assert any(0 in caps and any(caps) for caps in rounds)
     assert engine.spec_stats.chosen_k_hist[0] > 0
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_adaptive_prices_a_step_as_fused_only_when_it_runs_fused(which, request, tiny_cfg):
+    """Adaptive speculation with fused rounds (oracle drafts, so it drafts): a step priced as one fused round
+    never runs as separate calls (prompt chunks joining it), every step that drafts without prompt chunks
+    runs fused, and the output is the target-only output."""
+    art = load_artifact(request.getfixturevalue(which))
+    reqs = _requests(tiny_cfg.vocab_size, max_new=(30, 14, 24, 18, 22), ignore_eos=True)
+    reference = _tokens(Engine(art, TARGET_ONLY), reqs)
+    engine = Engine(art, RunConfig(fused_rounds=True))
+    _fused_oracle(engine, {r.id: out for r, out in zip(reqs, reference)})
+    rounds, spec, seen = _count_rounds(engine), engine.spec, []
+    schedule = engine.scheduler.schedule
+
+    def recording(choose):
+        batch = schedule(choose)
+        seen.append((spec._fuse_now, any(batch.n_drafts), bool(batch.prefill), len(rounds)))
+        return batch
+
+    engine.scheduler.schedule = recording
+    assert _tokens(engine, reqs) == reference
+    fused_steps = 0
+    for (priced_fused, drafts, prefill, before), (_, _, _, after) in zip(seen, seen[1:] + [(0, 0, 0, len(rounds))]):
+        ran_fused = after > before
+        assert not (priced_fused and drafts and prefill)
+        assert ran_fused == (drafts and not prefill)
+        fused_steps += ran_fused
+    assert fused_steps > 3 and any(prefill for _, _, prefill, _ in seen)
 
 
 def test_sampled_requests_take_the_unfused_round(tiny_dflash_seq_artifact, tiny_cfg):

@@ -260,9 +260,9 @@ def test_acceptance_after_a_plain_stretch_equals_a_run_that_never_paused(which, 
     paused.spec.proposer = rec_paused
     choose, steps = paused.spec.choose, []
 
-    def choose_after_a_stretch(decode, rows_left):
+    def choose_after_a_stretch(decode, rows_left, **kw):
         steps.append(1)
-        return [0] * len(decode) if len(steps) <= 8 else choose(decode, rows_left)
+        return [0] * len(decode) if len(steps) <= 8 else choose(decode, rows_left, **kw)
 
     paused.spec.choose = choose_after_a_stretch
     assert _tokens(paused, reqs) == out_always
