@@ -156,18 +156,18 @@ class Engine:
         if (self.spec is not None and not batch.prefill and any(batch.n_drafts)
                 and self.spec.fusable(batch.decode)):
             self._fused_step(batch)
-            self.stats.steps += 1
-            self.spec.step_done(time.perf_counter() - t0, len(batch.decode) + sum(batch.n_drafts))
-            return
-        drafts = (self.spec.propose(batch.decode, batch.n_drafts) if self.spec is not None
-                  else StepDrafts.none(len(batch.decode)))
-        step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens)
-        out = self.runner.forward(step)
-        accepted, new_tokens = self._accept(step.groups, drafts, out[0])
-        self._postprocess(batch, step, drafts, accepted, new_tokens, out[1] if len(out) > 1 else None)
+            rows = len(batch.decode) + sum(batch.n_drafts)  # the forward rows the unfused step would have had
+        else:
+            drafts = (self.spec.propose(batch.decode, batch.n_drafts) if self.spec is not None
+                      else StepDrafts.none(len(batch.decode)))
+            step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens)
+            out = self.runner.forward(step)
+            accepted, new_tokens = self._accept(step.groups, drafts, out[0])
+            self._postprocess(batch, step, drafts, accepted, new_tokens, out[1] if len(out) > 1 else None)
+            rows = step.tokens.shape[0]
         self.stats.steps += 1
         if self.spec is not None:
-            self.spec.step_done(time.perf_counter() - t0, step.tokens.shape[0])
+            self.spec.step_done(time.perf_counter() - t0, rows)
 
     def _choose(self, decode: list, rows_left: int) -> list[int]:
         """The speculator's drafts, told whether prompt chunks may join the step (the scheduler has admitted
@@ -200,16 +200,13 @@ class Engine:
         return [row[0] for row in host], [row[1:2 + row[0]] for row in host]
 
     def _postprocess(self, batch: Batch, step, drafts, accepted, new_tokens, hidden) -> None:
-        spec, cache = self.spec, self.runner.cache
+        spec = self.spec
         committed_rows, owners = [], []  # step rows whose hidden state enters the draft context
         for i, seq in enumerate(batch.decode):
             k, a = drafts.ks[i], accepted[i]
             _, _, _, first = step.groups[i]
-            seq.n_cached += a + 1
-            if a < k:
-                cache.rewind(seq.slot, seq.n_cached)
+            self._advance(seq, k, a)
             if spec is not None:
-                spec.observe(seq, k, a)
                 committed_rows += range(first, first + a + 1)
                 owners.append((seq.slot, a + 1))
         offset = sum(1 + k for k in drafts.ks)
@@ -230,12 +227,18 @@ class Engine:
         host = out.tolist()  # the one copy per step
         accepted = [row[0] for row in host]
         for seq, k, a in zip(decode, ks, accepted):
-            seq.n_cached += a + 1
-            if a < k:
-                self.runner.cache.rewind(seq.slot, seq.n_cached)
-            self.spec.observe(seq, k, a)
+            self._advance(seq, k, a)
         self.spec.round_done(decode, ks, accepted, hidden)
         self._append_tokens(decode, [row[1:2 + row[0]] for row in host])
+
+    def _advance(self, seq: Sequence, k: int, accepted: int) -> None:
+        """A decoding sequence verified k drafts and accepted `accepted`: its pending token and those drafts
+        are committed, the target KV of the rejected ones rolled back, the round observed."""
+        seq.n_cached += accepted + 1
+        if accepted < k:
+            self.runner.cache.rewind(seq.slot, seq.n_cached)
+        if self.spec is not None:
+            self.spec.observe(seq, k, accepted)
 
     def _append_tokens(self, seqs: list, new_tokens: list) -> None:
         """Each sequence's new tokens; finished sequences are freed. Then context appends that are due."""

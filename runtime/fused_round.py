@@ -154,14 +154,7 @@ class FusedRound:
         if n == 0 or bucket is None:
             raise ValueError(f"a fused round of {n} sequences; allowed: 1..{self.limit}")
         t0 = time.perf_counter()
-        packed = self._pack(members, bucket)
-        _, _, _, ver_pos, ver_slot, _, app_pos, app_slot = self._split(packed, bucket)
-        self.runner.cache.declare_step(ver_pos, ver_slot)
-        self.runner.draft_cache.declare_step(app_pos, app_slot)
-        if self._graphs is not None:
-            out, hidden = self._graphs.run(bucket, [packed])
-        else:
-            out, hidden = self._round([packed.to(self.runner.device)])
+        out, hidden = self._launch(self._pack(members, bucket), bucket)
         log = self.runner.call_log
         if log is not None:
             log.append((ROUND, n, time.perf_counter() - t0))
@@ -175,14 +168,18 @@ class FusedRound:
             for b in buckets(self.limit):
                 self._run_blank(b)
 
-    def _run_blank(self, b: int) -> None:
-        packed = self._pack([], b)
-        self.runner.cache.declare_step(*self._split(packed, b)[3:5])
-        self.runner.draft_cache.declare_step(*self._split(packed, b)[6:8])
+    def _launch(self, packed: torch.Tensor, bucket: int) -> list:
+        """Admit the packed round's verify rows (target cache) and append rows (draft cache) on the host,
+        then run it: the bucket's graph replay, or the round eagerly without graphs. -> [out, hidden]."""
+        _, _, _, ver_pos, ver_slot, _, app_pos, app_slot = self._split(packed, bucket)
+        self.runner.cache.declare_step(ver_pos, ver_slot)
+        self.runner.draft_cache.declare_step(app_pos, app_slot)
         if self._graphs is not None:
-            self._graphs.run(b, [packed])
-        else:
-            self._round([packed.to(self.runner.device)])
+            return self._graphs.run(bucket, [packed])
+        return self._round([packed.to(self.runner.device)])
+
+    def _run_blank(self, b: int) -> None:
+        self._launch(self._pack([], b), b)
 
     def measure(self, reps: int = 3) -> dict[int, float]:
         """Seconds per round at each bucket, on padding-only rounds (as `ModelRunner.measure` times methods)."""

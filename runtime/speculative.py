@@ -644,7 +644,7 @@ class Speculator:
         self.commit(hidden, rows, owners)
 
     def warm_up(self) -> None:
-        """Capture the fused round's graphs now (a no-op without them, or once measured)."""
+        """Capture the fused round's graphs now (nothing to do without fused rounds or without graphs)."""
         if self.fused is not None:
             self.fused.warm_up()
 
