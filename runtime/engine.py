@@ -153,8 +153,7 @@ class Engine:
         batch = self.scheduler.schedule(self._choose if self.spec is not None else None)
         if not batch:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # invariant
-        if (self.spec is not None and not batch.prefill and any(batch.n_drafts)
-                and self.spec.fusable(batch.decode)):
+        if self.spec is not None and self.spec.fuses(batch):
             self._fused_step(batch)
             rows = len(batch.decode) + sum(batch.n_drafts)  # the forward rows the unfused step would have had
         else:

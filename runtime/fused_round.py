@@ -50,6 +50,8 @@ from .model_runner import ModelRunner, time_buckets
 from .sampling import SamplingBatch, SamplingParams
 from .spec_accept import accept
 
+ROUND = "dflash_round"  # the call log's name for fused rounds (of one block: `FusedRound.name`)
+
 
 @dataclass(frozen=True)
 class Member:
@@ -67,6 +69,7 @@ class FusedRound:
 
     def __init__(self, runner: ModelRunner, block: int):
         self.runner, self.block = runner, block
+        self.name = f"{ROUND}_{block}"  # the call log's and the cost tables' name for rounds of this block
         self.t = runner.block_size  # the exported drafter's block (its drafts: t - 1 >= block - 1)
         plans = runner.plans
         self.limit = min(plans[C.METHOD_DRAFT_BLOCK].limit, plans[C.METHOD_FORWARD].limit // block,
@@ -157,7 +160,7 @@ class FusedRound:
         out, hidden = self._launch(self._pack(members, bucket), bucket)
         log = self.runner.call_log
         if log is not None:
-            log.append((ROUND, n, time.perf_counter() - t0))
+            log.append((self.name, n, time.perf_counter() - t0))
         return out[:n], hidden
 
     # ------------------------------------------------------------------ warm-up and costs
@@ -185,5 +188,3 @@ class FusedRound:
         """Seconds per round at each bucket, on padding-only rounds (as `ModelRunner.measure` times methods)."""
         return time_buckets(self.runner.device, buckets(self.limit), self._run_blank, reps)
 
-
-ROUND = "dflash_round"  # the call log's name for a fused round

@@ -27,9 +27,8 @@ on blank inputs (taken once per program, device and mode, when the first
 engine starts, and kept in the tools' cache folder for later processes: the
 same program on the same device, torch and runtime code skips the ~1 s of
 measuring), moved towards every timed call where calls are synchronous
-(CPU), plus a residual for what no table holds (host work per step), kept
-apart for steps with and without drafts. Draft rows go one at a time, highest expected gain
-first (`prod_{l<=j} a_l` decreases in j, so each sequence's rows go in
+(CPU), plus a residual for what no table holds (host work per step, see
+below). Draft rows go one at a time, highest expected gain first (`prod_{l<=j} a_l` decreases in j, so each sequence's rows go in
 order), and the round keeps the prefix with the most tokens per second, so
 each sequence drafts only where it pays. Estimates: per sequence, decayed
 counts shrunk towards a global estimate (all sequences), itself shrunk
@@ -41,10 +40,20 @@ decoding time, by the probe's predicted and then measured cost), so it
 notices when the text becomes predictable again.
 
 Fused rounds (`fused_round.py`, on with CUDA graphs): when a step can run
-its whole round as one call (`fusable`, and no prompt chunks), the engine
-asks `run_round` instead of propose -> forward -> accept, and `round_done`
-afterwards; adaptive speculation prices such a step by the measured time of
-a whole round at its bucket instead of forward + draft_block.
+its whole round as one call (every decoding sequence greedy, few enough for
+a round, no prompt chunks), the engine asks `run_round` instead of propose ->
+forward -> accept, and `round_done` afterwards. A fused round verifies its
+whole block for every member, drafts or not, so adaptive speculation's
+choice there is per step: a plain step, or a round of one of the blocks it
+holds rounds for (the exported block, and a half and a quarter of it: fewer
+rows per member, so cheaper rounds and more members per round), whichever
+has the most expected tokens per second by a measured table of whole rounds
+per block and bucket; every member of a round drafts all it may.
+
+Host work per step is learnt apart for plain steps, steps with separate draft
+calls and fused rounds, as the median of the last few steps of each kind, so
+one slow step (a first call's lazy work) cannot price a kind out for long;
+steps that captured CUDA graphs are not timed.
 
 Knows the model runner, the scheduler's records and the run config; nothing
 of sampling math (`spec_accept.py`) or mg.export. See docs/ARCHITECTURE.md
@@ -54,10 +63,12 @@ section 6.5.
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import hashlib
 import heapq
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Protocol
@@ -69,7 +80,7 @@ from mg.manifests import constants as C
 from mg.manifests.values import cache_root, write_cache_file
 
 from .config import SPECULATION_FIXED, RunConfig
-from .fused_round import ROUND, FusedRound, Member
+from .fused_round import FusedRound, Member
 from .model_runner import ModelRunner, to_device
 
 
@@ -221,31 +232,38 @@ class ProbeSchedule:
         self._wait[slot], self._floor[slot], self._since[slot] = self.start, 0.0, 0
 
 
+PLAIN, DRAFTING, FUSED = "plain", "drafting", "fused"  # kinds of step, each with its own host work
+
+
 class CostModel:
     """Seconds of a step from the model runner's per-bucket measurements, refined online.
 
-    `forward(n)`, `draft(b)`, `append(m)`: the time at n's bucket when calls are padded to buckets, else
-    interpolated linearly between measured sizes; never below a smaller size's time (a table refined by noisy
-    calls may dip, and a dip would make extra rows look free). `observe(name, n, seconds)` moves the bucket's
-    entry towards a measured call, and buckets not timed yet by the mean ratio of measured to blank-input
-    time (calls are timed where they are synchronous: on CPU; blank inputs miss attention over real
-    contexts). `residual(drafting)`: the mean of (measured step - predicted step), for steps with and
-    without drafts apart: host work the tables do not hold (a drafting step on CUDA waits for its drafts on
-    the host before the target step is launched)."""
+    `forward(n)`, `draft(b)`, `append(m)`, `round(name, n)` (a fused round of n members, `FusedRound.name`):
+    the time at n's bucket when calls are padded to buckets, else interpolated linearly between measured
+    sizes; never below a smaller size's time (a table refined by noisy calls may dip, and a dip would make
+    extra rows look free). `observe(name, n, seconds)` moves the bucket's entry towards a measured call, and
+    buckets not timed yet by the mean ratio of measured to blank-input time (calls are timed where they are
+    synchronous: on CPU; blank inputs miss attention over real contexts). `residual(kind)`: what a step of
+    that kind (PLAIN, DRAFTING: separate calls with drafts, FUSED: one fused round) costs beyond the tables
+    (host work; on CUDA the wait for the step's one copy to the host), the median of the last `window`
+    steps of the kind: one slow step (a first call's lazy work, a pause of the host) moves it by nothing,
+    where a mean taken from it would keep a kind that is then rarely chosen priced high for long."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
-                 padded: bool, smoothing: float = 0.2, round: Optional[dict[int, float]] = None):
+                 padded: bool, smoothing: float = 0.2, rounds: Optional[dict[str, dict[int, float]]] = None,
+                 window: int = 9):
         self.tables = {"forward": dict(forward), "draft": dict(draft), "append": dict(append)}
-        if round is not None:  # fused rounds: the whole round's time per bucket of members
-            self.tables["round"] = dict(round)
+        for name, table in (rounds or {}).items():  # fused rounds: the whole round's time per bucket of members
+            self.tables[name] = dict(table)
         self._blank = {name: dict(t) for name, t in self.tables.items()}
         self._sizes = {name: sorted(t) for name, t in self.tables.items()}
         self._seen_sizes: dict[str, set] = {name: set() for name in self.tables}
         self._scale = {name: 1.0 for name in self.tables}  # measured / blank, over every timed call
         self.padded = padded
         self.smoothing = smoothing
-        self._residual = {False: 0.0, True: 0.0}
-        self._seen = {False: False, True: False}
+        self._errors: dict[str, collections.deque] = {kind: collections.deque(maxlen=window)
+                                                      for kind in (PLAIN, DRAFTING, FUSED)}
+        self._residual = {kind: 0.0 for kind in self._errors}
         self._monotone: dict[str, dict[int, float]] = {}
         self._known: dict[str, dict[int, float]] = {}  # n -> _predict(name, n) for the tables as they are
         for name in self.tables:
@@ -295,8 +313,8 @@ class CostModel:
     def append(self, m: int) -> float:
         return self._predict("append", m)
 
-    def round(self, n: int) -> float:
-        return self._predict("round", n)
+    def round(self, name: str, n: int) -> float:
+        return self._predict(name, n)
 
     def observe(self, name: str, n: int, seconds: float) -> None:
         """A measured call of `name` with leading dimension n: its bucket's entry moves towards it, and the
@@ -320,22 +338,22 @@ class CostModel:
                 table[size] = blank[size] * self._scale[name]
         self._update_monotone(name)
 
-    def residual(self, drafting: bool) -> float:
-        """Host work per step, with or without drafts (until a mode is seen, the other mode's). A drafting step
-        does all a plain step does and more, so its residual is never taken below the plain one."""
-        if not self._seen[drafting] and self._seen[not drafting]:
-            return self._residual[not drafting]
-        if drafting:
-            return max(self._residual[True], self._residual[False])
-        return self._residual[False]
+    def residual(self, kind: str) -> float:
+        """Host work per step of `kind`. Until a kind is seen it is priced as a plain step's (a plain step's
+        work is part of every step); a step with separate draft calls does all a plain step does and more,
+        so its residual is never taken below the plain one. A fused round replaces the plain step's calls,
+        so its own residual stands once seen."""
+        plain = self._residual[PLAIN] if self._errors[PLAIN] else self._residual[DRAFTING]
+        if kind == PLAIN:
+            return plain
+        own = self._residual[kind] if self._errors[kind] else plain
+        return max(own, plain) if kind == DRAFTING else own
 
-    def record(self, drafting: bool, predicted: float, measured: float) -> None:
-        """A whole step took `measured` seconds where the tables predicted `predicted`."""
-        err = measured - predicted
-        if not self._seen[drafting]:
-            self._seen[drafting], self._residual[drafting] = True, err
-        else:
-            self._residual[drafting] += self.smoothing * (err - self._residual[drafting])
+    def record(self, kind: str, predicted: float, measured: float) -> None:
+        """A whole step of `kind` took `measured` seconds where the tables predicted `predicted`."""
+        errors = self._errors[kind]
+        errors.append(measured - predicted)
+        self._residual[kind] = statistics.median(errors)
 
 
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
@@ -376,8 +394,7 @@ def _save_tables(key: tuple, device: torch.device, tables: tuple) -> tuple:
     """Keep `tables` for later processes (best effort: an unwritable cache is skipped); returns them."""
     write_cache_file(_tables_path(key, device), json.dumps(tables))
     return tables
-_TABLE_OF = {C.METHOD_FORWARD: "forward", C.METHOD_DRAFT_BLOCK: "draft", C.METHOD_DRAFT_APPEND: "append",
-             ROUND: "round"}
+_TABLE_OF = {C.METHOD_FORWARD: "forward", C.METHOD_DRAFT_BLOCK: "draft", C.METHOD_DRAFT_APPEND: "append"}
 
 
 class Speculator:
@@ -409,13 +426,16 @@ class Speculator:
         self._plain_rate = 0.0  # a plain step's tokens per second, as predicted when the round was chosen
         self._draft_rows = 0  # the round's draft rows
         self._probed: dict[int, int] = {}  # slot -> drafts its probe had accepted, until the step is timed
-        # Greedy rounds as one fused call (one CUDA graph): with the artifact's drafter only.
-        self.fused: Optional[FusedRound] = None
+        # Greedy rounds as one fused call (one CUDA graph): with the artifact's drafter only. Adaptive
+        # speculation also has rounds of smaller blocks to choose from: cheaper, and more sequences fit one.
+        self.rounds: list[FusedRound] = []
         if config.fused and proposer is None:
-            fused = FusedRound(runner, block)
-            self.fused = fused if fused.limit >= 1 else None
-        self._fuse_now = False  # this step's round, if anyone drafts, is fused (as choose priced it)
+            blocks = [block] + ([b for b in (block // 2, block // 4) if b >= 3] if self.adaptive else [])
+            self.rounds = [r for r in (FusedRound(runner, b) for b in blocks) if r.limit >= 1]
+        self.fused = next((r for r in self.rounds if r.block == block), None)  # the full block's rounds
+        self._round_now: Optional[FusedRound] = None  # this step's fused round, if anyone drafts (as chosen)
         self._fused_n = 0  # members of the fused round run this step (0: none)
+        self._captures = runner.counters.captures  # graph captures inside a step: its time is not the step's
         if self.adaptive:
             self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
             if runner.device.type == "cpu":  # calls are synchronous there: time each one
@@ -428,18 +448,22 @@ class Speculator:
         may join the step (it then cannot fuse, and is priced as separate calls)."""
         limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
         self._probing = set()
-        self._fuse_now = not prefill and self.fusable(decode)
-        if not self.adaptive:
+        rounds = self._fusable_rounds(decode)
+        self._round_now = None
+        if not self.adaptive:  # fused whenever the step turns out to have no prompt chunks (`fuses`)
             ks = []
             for k in limits:
                 ks.append(min(k, rows_left))
                 rows_left -= ks[-1]
+            self._round_now = rounds[0] if rounds else None
             self._prediction = None
             return ks
+        if rounds and not prefill:  # priced as fused only when it surely runs fused
+            return self._choose_round(decode, limits, rows_left, rounds)
         ks = self._best_drafts(decode, limits, rows_left)
         rows_left -= sum(ks)
         c, n = self.costs, len(decode)
-        rate = n / max(c.forward(n) + c.residual(False), 1e-9)  # a plain step's tokens per second
+        rate = n / max(c.forward(n) + c.residual(PLAIN), 1e-9)  # a plain step's tokens per second
         # Sequences kept at k = 0 for a while probe; once the step pays for a draft call anyway, those
         # halfway to their probe join it (their probe costs only verify rows now). A probe is due no sooner
         # than its predicted cost, in plain-step tokens, allows within PROBE_BUDGET of plain decoding.
@@ -458,14 +482,50 @@ class Speculator:
                     self._probing.add(s.slot)
         chosen = [i for i, k in enumerate(ks) if k]
         self._prediction = (len(chosen), sum(self._waiting.count[decode[i].slot] for i in chosen))
-        if chosen and self._fuse_now:  # each drafting sequence's predicted seconds on top of a plain step
-            share = (c.round(n) - c.forward(n)) / len(chosen)
-            self._extra = {decode[i].slot: share for i in chosen}
-            self._plain_rate, self._draft_rows = rate, sum(ks)
-        elif chosen:  # verify rows, and a share of the draft call
+        if chosen:  # each drafting sequence's predicted seconds on top of a plain step: verify rows, draft share
             rows, share = n + sum(ks), c.draft(len(chosen)) / len(chosen)
             self._extra = {decode[i].slot: c.forward(rows) - c.forward(rows - ks[i]) + share for i in chosen}
             self._plain_rate, self._draft_rows = rate, sum(ks)
+        return ks
+
+    def _choose_round(self, decode: list, limits: list[int], rows_left: int, rounds: list[FusedRound]) -> list[int]:
+        """A step that can fuse: a plain step, or one fused round (of one of `rounds`' blocks) with the most
+        expected tokens per second. A fused round verifies its whole block for every member whatever the
+        drafts, so every member drafts all it may (its `limits`); the choice is the block, or none. When a
+        plain step wins and a sequence's probe is due (`ProbeSchedule`, its cost a member's share of the
+        round over the plain step), the round with the best rate runs anyway."""
+        c, n = self.costs, len(decode)
+        plain_t = c.forward(n) + c.residual(PLAIN)
+        best_rate, best, top = n / max(plain_t, 1e-9), None, None  # top: the best round, paying or not
+        for fr in rounds:
+            ks = [min(fr.block - 1, k) for k in limits]
+            if not any(ks) or sum(ks) > rows_left:
+                continue
+            waiting = sum(self._waiting.count[s.slot] for s, k in zip(decode, ks) if k)
+            t = c.round(fr.name, n) + c.append(waiting) + c.residual(FUSED)
+            tokens = n + sum(sum(self.acceptance.survival(s.slot, k)) for s, k in zip(decode, ks) if k)
+            if tokens / t > best_rate:
+                best_rate, best = tokens / t, (fr, ks, t)
+            if top is None or tokens / t > top[0]:
+                top = (tokens / t, (fr, ks, t))
+        rate = n / max(plain_t, 1e-9)
+        if best is None and top is not None:  # plain wins; due probes still ride the best round
+            fr, ks, t = top[1]
+            share = max(t - plain_t, 0.0) / sum(1 for k in ks if k)
+            due = {s.slot for s, k in zip(decode, ks)
+                   if k and self.probes.due(s.slot, 1.0, floor=rate * share / PROBE_BUDGET)}
+            if due:
+                best, self._probing = top[1], due
+        if best is None:
+            self._prediction = (0, 0)
+            return [0] * n
+        fr, ks, t = best
+        self._round_now = fr
+        chosen = [s.slot for s, k in zip(decode, ks) if k]
+        self._prediction = (len(chosen), sum(self._waiting.count[slot] for slot in chosen))
+        share = max(t - plain_t, 0.0) / len(chosen)  # each drafting member's seconds on top of a plain step
+        self._extra = {slot: share for slot in chosen}
+        self._plain_rate, self._draft_rows = rate, sum(ks)
         return ks
 
     def _best_drafts(self, decode: list, limits: list[int], rows_left: int) -> list[int]:
@@ -473,11 +533,11 @@ class Speculator:
         costs = self.costs
         gains = [self.acceptance.survival(s.slot, k) for s, k in zip(decode, limits)]
         n = len(decode)
-        best_ratio = n / (costs.forward(n) + costs.residual(False))
+        best_ratio = n / (costs.forward(n) + costs.residual(PLAIN))
         # Bounds (most steps of a batch the drafter does not help end at the first): every draft row accepted
         # in expectation, at the cheapest drafting step's time; in the search, at the time of the prefix so
         # far (a step's time never falls as rows, drafting sequences and waiting context grow).
-        cheapest = self._step_cost(n, 1, 1) + costs.residual(True)
+        cheapest = self._step_cost(n, 1, 1) + costs.residual(DRAFTING)
         bound = n + sum(map(sum, gains))
         if rows_left <= 0 or (cheapest > 0 and bound / cheapest <= best_ratio):
             return [0] * n
@@ -496,7 +556,7 @@ class Speculator:
                 drafting += 1
                 waiting += self._waiting.count[decode[i].slot]
             ks[i] += 1
-            t = self._step_cost(n, rows, drafting) + costs.append(waiting) + costs.residual(True)
+            t = self._step_cost(n, rows, drafting) + costs.append(waiting) + costs.residual(DRAFTING)
             ratio = (n + tokens) / t
             if ratio > best_ratio:
                 best_ratio, best = ratio, len(taken)
@@ -508,20 +568,15 @@ class Speculator:
         return ks
 
     def _step_cost(self, n: int, draft_rows: int, drafting: int) -> float:
-        """Predicted seconds of the calls of a step of n decoding sequences with `draft_rows` drafts among
-        `drafting` of them (context appends and host work apart): one fused round when this step fuses and
-        anyone drafts, else the target forward over every row plus the draft call."""
+        """Predicted seconds of the calls of an unfused step of n decoding sequences with `draft_rows` drafts
+        among `drafting` of them (context appends and host work apart): the target forward over every row
+        plus the draft call."""
         c = self.costs
-        if drafting and self._fuse_now:
-            return c.round(n)
         return c.forward(n + draft_rows) + c.draft(drafting)
 
     def _probe_rows(self, rows: int) -> int:
         """Drafts of a probe: at least 4, more while the step's rows stay nearly free (within 10% of one more
-        row's forward time: padded buckets on CUDA), up to the block; a fused round verifies the whole block
-        whatever the drafts, so its probes take the block."""
-        if self._fuse_now:
-            return self.block - 1
+        row's forward time: padded buckets on CUDA), up to the block."""
         c, k = self.costs, 4
         while k < self.block - 1 and c.forward(rows + k + 1) <= 1.1 * c.forward(rows + 1):
             k += 1
@@ -534,7 +589,7 @@ class Speculator:
         that accepted nothing never paid, whatever the (possibly noisy) times say; one that did not pay waits
         at least as many steps as keep its cost within PROBE_BUDGET."""
         c = self.costs
-        plain_s = c.forward(rows - self._draft_rows) + c.residual(False) + c.append(self._flushed)
+        plain_s = c.forward(rows - self._draft_rows) + c.residual(PLAIN) + c.append(self._flushed)
         over = measured_s - plain_s
         predicted = sum(self._extra.values())
         for slot, accepted in self._probed.items():
@@ -550,37 +605,42 @@ class Speculator:
         r, cfg = self.runner, self.config
         key = (r.artifact.manifest.files[0].sha256 if r.artifact.manifest.files else str(r.artifact.directory),
                str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None),
-               cfg.prefer_cublaslt, self.block if self.fused is not None else None)
+               cfg.prefer_cublaslt, tuple(fr.block for fr in self.rounds))
         if key not in _COST_TABLES:
             tables = _load_tables(key, r.device)
-            if tables is None or len(tables) != 3 + (self.fused is not None):
+            if tables is None or len(tables) != 3 + len(self.rounds):
                 tables = _save_tables(key, r.device, (
                     r.measure(C.METHOD_FORWARD), r.measure(C.METHOD_DRAFT_BLOCK), r.measure(C.METHOD_DRAFT_APPEND),
-                    *([self.fused.measure()] if self.fused is not None else [])))
+                    *(fr.measure() for fr in self.rounds)))
             _COST_TABLES[key] = tables
-        forward, draft, append, *fused = _COST_TABLES[key]
-        return CostModel(forward, draft, append, padded=cfg.padded, round=fused[0] if fused else None)
+        forward, draft, append, *rounds = _COST_TABLES[key]
+        return CostModel(forward, draft, append, padded=cfg.padded,
+                         rounds={fr.name: table for fr, table in zip(self.rounds, rounds)})
 
     def step_done(self, measured_s: float, rows: int) -> None:
         """The engine's wall time of the step just run and its forward's row count. Timed calls (CPU) refine
         the tables, and the step's time outside them is its host work; without timed calls (CUDA) the host
         work is what the tables do not predict."""
         log, c = self.runner.call_log, self.costs
-        if c is not None and self._prediction is not None:
+        captures, self._captures = self._captures, self.runner.counters.captures
+        timed = captures == self._captures  # a step that captured graphs took their capture's time too
+        if c is not None and self._prediction is not None and timed:
             drafting, waiting = self._prediction
+            kind = FUSED if self._fused_n else DRAFTING if drafting else PLAIN
             if log is not None:
                 predicted = sum(seconds for _, _, seconds in log)
             elif self._fused_n:
-                predicted = c.round(self._fused_n) + c.append(waiting) + c.append(self._flushed)
+                predicted = c.round(self._round_now.name, self._fused_n) + c.append(waiting) + c.append(self._flushed)
             else:
                 predicted = (c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
                              + c.append(self._flushed))
-            c.record(drafting > 0, predicted, measured_s)
-        if self._probed:
+            c.record(kind, predicted, measured_s)
+        if self._probed and timed:
             self._judge_probes(measured_s, rows)
+        self._probed = {}
         if c is not None and log is not None:
             for method, n, seconds in log:
-                c.observe(_TABLE_OF[method], n, seconds)
+                c.observe(_TABLE_OF.get(method, method), n, seconds)  # fused rounds: tables by their name
         if log is not None:
             log.clear()
         self._prediction, self._flushed, self._fused_n = None, 0, 0
@@ -610,23 +670,30 @@ class Speculator:
 
     # ------------------------------------------------------------------ 2'. the fused round
 
-    def fusable(self, decode: list) -> bool:
-        """Can a round of these decoding sequences run fused: fused rounds on, at most the fused round's
-        limit of sequences, every one greedy. (The engine also needs a step without prefill chunks.)"""
-        return (self.fused is not None and 0 < len(decode) <= self.fused.limit
-                and all(s.request.sampling.greedy for s in decode))
+    def _fusable_rounds(self, decode: list) -> list[FusedRound]:
+        """The fused rounds that can take these decoding sequences (full block first): fused rounds on, within
+        the round's limit of sequences, every one greedy. (The step must also have no prompt chunks.)"""
+        if not self.rounds or not decode or not all(s.request.sampling.greedy for s in decode):
+            return []
+        return [fr for fr in self.rounds if len(decode) <= fr.limit]
+
+    def fuses(self, batch) -> bool:
+        """Does the scheduled step run as one fused round: chosen so by `choose`, someone drafts, and no
+        prompt chunk joined it."""
+        return self._round_now is not None and not batch.prefill and any(batch.n_drafts)
 
     def run_round(self, decode: list, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused round of `decode` (`fused_round.py`), k = ks[i] drafts at most each (0: a plain step
-        for it): the drafting sequences' waiting context is appended first. Returns the round's outputs on
-        the device: [len(decode), block + 1] (accepted drafts, then the committed tokens) and hidden rows."""
+        """The fused round `choose` picked for `decode` (`fused_round.py`), k = ks[i] drafts at most each (0: a
+        plain step for it): the drafting sequences' waiting context is appended first. Returns the round's
+        outputs on the device: [len(decode), block + 1] (accepted drafts, then the committed tokens) and
+        hidden rows."""
         for k in ks:
             _bump(self.stats.chosen_k_hist, k)
         drafting = [s for s, k in zip(decode, ks) if k > 0]
         self._append_waiting([s.slot for s in drafting])
         self._check_context(drafting)
         self._fused_n = len(decode)
-        return self.fused.run([Member(s.tokens[-1], s.n_cached, s.slot, k) for s, k in zip(decode, ks)])
+        return self._round_now.run([Member(s.tokens[-1], s.n_cached, s.slot, k) for s, k in zip(decode, ks)])
 
     def round_done(self, decode: list, ks: list[int], accepted: list[int], hidden: torch.Tensor) -> None:
         """After a fused round, each sequence's `n_cached` already advanced by its committed tokens: the
@@ -639,14 +706,14 @@ class Speculator:
                     self.runner.draft_cache.rewind(seq.slot, seq.n_cached)
                 self._appended[seq.slot] = seq.n_cached
             else:
-                rows.append(i * self.fused.block)
+                rows.append(i * self._round_now.block)
                 owners.append((seq.slot, 1))
         self.commit(hidden, rows, owners)
 
     def warm_up(self) -> None:
-        """Capture the fused round's graphs now (nothing to do without fused rounds or without graphs)."""
-        if self.fused is not None:
-            self.fused.warm_up()
+        """Capture the fused rounds' graphs now (nothing to do without fused rounds or without graphs)."""
+        for fr in self.rounds:
+            fr.warm_up()
 
     # ------------------------------------------------------------------ 3. observe and commit
 

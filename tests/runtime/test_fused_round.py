@@ -16,7 +16,8 @@ from mg.runtime.config import RunConfig
 from mg.runtime.engine import Engine
 from mg.runtime.fused_round import FusedRound, Member
 from mg.runtime.sampling import SamplingParams
-from mg.runtime.scheduler import Request
+from mg.runtime.scheduler import Request, Sequence
+from mg.runtime.speculative import CostModel
 
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 TARGET_ONLY = RunConfig(dflash=False)
@@ -55,29 +56,35 @@ class OracleProposer:
 
 
 def _fused_oracle(engine, reference: dict) -> None:
-    """The oracle in place of the drafter's block in fused rounds (eager rounds only: it reads the host), and
-    as the proposer of the engine's unfused rounds (steps with prefill chunks)."""
-    fused = engine.spec.fused
+    """The oracle in place of the drafter's block in fused rounds of every block (eager rounds only: it reads
+    the host), and as the proposer of the engine's unfused rounds (steps with prefill chunks)."""
     engine.spec.proposer = OracleProposer(reference)
+    width = engine.runner.block_size - 1
 
     def draft(pending, positions, slots):
         by_slot = {s.slot: s for s in engine.scheduler.running}
-        rows = [_oracle_tokens(reference, by_slot[slot], fused.t - 1) if slot in by_slot else [0] * (fused.t - 1)
+        rows = [_oracle_tokens(reference, by_slot[slot], width) if slot in by_slot else [0] * width
                 for slot in slots.tolist()]
         return torch.tensor(rows, dtype=torch.long, device=pending.device)
 
-    fused.draft = draft
+    for fr in engine.spec.rounds:
+        fr.draft = draft
 
 
-def _count_rounds(engine) -> list:
-    """Members of every fused round the engine runs."""
-    calls, run = [], engine.spec.fused.run
+def _count_rounds(engine, blocks: list = None) -> list:
+    """Members' caps of every fused round the engine runs (of any block); `blocks` gets each round's block."""
+    calls = []
 
-    def counting(members):
-        calls.append([m.cap for m in members])
-        return run(members)
+    def counting(fr, run):
+        def run_counted(members):
+            calls.append([m.cap for m in members])
+            if blocks is not None:
+                blocks.append(fr.block)
+            return run(members)
+        return run_counted
 
-    engine.spec.fused.run = counting
+    for fr in engine.spec.rounds:
+        fr.run = counting(fr, fr.run)
     return calls
 
 
@@ -176,7 +183,7 @@ def test_adaptive_prices_a_step_as_fused_only_when_it_runs_fused(which, request,
 
     def recording(choose):
         batch = schedule(choose)
-        seen.append((spec._fuse_now, any(batch.n_drafts), bool(batch.prefill), len(rounds)))
+        seen.append((spec._round_now is not None, any(batch.n_drafts), bool(batch.prefill), len(rounds)))
         return batch
 
     engine.scheduler.schedule = recording
@@ -281,3 +288,64 @@ def test_fused_rounds_from_cuda_graphs_match_target_only_and_eager_rounds(which,
     assert _tokens(eager, reqs) == reference
     if policy == "fixed":
         assert rounds and graphs.spec_stats.accepted_hist == eager.spec_stats.accepted_hist
+
+
+def _seq(slot: int, n_cached: int = 10) -> Sequence:
+    """A greedy decoding sequence in `slot` with n_cached positions written and one token pending."""
+    req = Request(f"s{slot}", tuple(range(4, 4 + n_cached)), 100)
+    return Sequence(req, slot, list(req.prompt) + [7], n_cached=n_cached)
+
+
+def _round_costs(engine, forward_s: float, round_s: dict) -> CostModel:
+    """Cost tables where a plain step of any size takes `forward_s` and a fused round of block b `round_s[b]`,
+    whatever the members; context appends are free."""
+    sizes = (1, 2, 4, 8, 16, 24)
+    flat = {n: forward_s for n in sizes}
+    rounds = {fr.name: {n: round_s[fr.block] for n in (1, 2, 4, 8)} for fr in engine.spec.rounds}
+    return CostModel(flat, {1: forward_s}, {n: 0.0 for n in sizes}, padded=True, rounds=rounds)
+
+
+def test_adaptive_chooses_the_round_block_with_the_most_tokens_per_second(tiny_dflash_cell_artifact):
+    """Fused rounds hold every member's whole block, so adaptive speculation chooses per step: a plain step or
+    a round of one block, all members drafting what they may. The cell artifact fits 3 members in a round of
+    its block 8 (24 rows per call) and 6 in a round of block 4."""
+    engine = Engine(load_artifact(tiny_dflash_cell_artifact), RunConfig(fused_rounds=True))
+    spec = engine.spec
+    assert [(fr.block, fr.limit) for fr in spec.rounds] == [(8, 3), (4, 6)]
+    seqs = [_seq(i) for i in range(3)]
+    for slot in range(6):  # every draft accepted so far: a block of 8 commits ~8 tokens, one of 4 ~4
+        for _ in range(20):
+            spec.acceptance.observe(slot, 7, 7)
+    spec.costs = _round_costs(engine, 1e-3, {8: 2e-3, 4: 1.5e-3})
+    assert spec.choose(seqs, 21) == [7, 7, 7] and spec._round_now.block == 8
+    spec.costs = _round_costs(engine, 1e-3, {8: 5e-3, 4: 1.5e-3})  # the full block's rounds cost too much
+    assert spec.choose(seqs, 21) == [3, 3, 3] and spec._round_now.block == 4
+    spec.costs = _round_costs(engine, 1e-3, {8: 9e-3, 4: 5e-3})  # no round pays: a plain step
+    assert spec.choose(seqs, 21) == [0, 0, 0] and spec._round_now is None
+    five = [_seq(i) for i in range(5)]  # more than a round of block 8 holds: block 4 takes them
+    spec.costs = _round_costs(engine, 1e-3, {8: 2e-3, 4: 2e-3})
+    assert spec.choose(five, 19) == [3] * 5 and spec._round_now.block == 4
+    spec.choose(seqs, 21, prefill=True)
+    assert spec._round_now is None  # prompt chunks may join the step: priced and run as separate calls
+    spec.acceptance = type(spec.acceptance)(spec.runner.cache.n_slots, spec.block - 1)
+    for slot in range(6):  # the drafter is always wrong: plain steps (until a probe is due)
+        for _ in range(20):
+            spec.acceptance.observe(slot, 7, 0)
+    assert spec.choose(seqs, 21) == [0, 0, 0]
+
+
+def test_adaptive_fused_rounds_of_smaller_blocks_serve_more_sequences(tiny_dflash_cell_artifact, tiny_cfg):
+    """Five sequences decode at once on the cell artifact: more than its block-8 rounds hold, so they go in
+    rounds of block 4 (by the costs the test sets), and the output is the target-only output."""
+    art = load_artifact(tiny_dflash_cell_artifact)
+    reqs = _requests(tiny_cfg.vocab_size, max_new=(50, 50, 50, 50, 50), ignore_eos=True)
+    reference = _tokens(Engine(art, TARGET_ONLY), reqs)
+    engine = Engine(art, RunConfig(fused_rounds=True))
+    engine.spec.costs = _round_costs(engine, 1e-3, {8: 2e-3, 4: 2e-3})
+    _fused_oracle(engine, {r.id: out for r, out in zip(reqs, reference)})
+    blocks = []
+    rounds = _count_rounds(engine, blocks)
+    assert _tokens(engine, reqs) == reference
+    assert any(len(caps) > 3 and b == 4 for caps, b in zip(rounds, blocks))
+    assert all(len(caps) <= 3 for caps, b in zip(rounds, blocks) if b == 8) and 8 in blocks
+    assert engine.spec_stats.chosen_k_hist[3] > 0 and engine.spec_stats.chosen_k_hist[7] > 0

@@ -17,7 +17,8 @@ from mg.runtime.config import RunConfig
 from mg.runtime.engine import Engine
 from mg.runtime.scheduler import Request
 from mg.runtime import speculative as spec_module
-from mg.runtime.speculative import AcceptanceModel, CostModel, DFlashError, DraftModelProposer, ProbeSchedule
+from mg.runtime.speculative import (DRAFTING, FUSED, PLAIN, AcceptanceModel, CostModel, DFlashError, DraftModelProposer,
+                                    ProbeSchedule)
 
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 TARGET_ONLY = RunConfig(dflash=False)
@@ -317,13 +318,13 @@ def _best_prefix_reference(spec, decode, limits, rows_left):
     c, n = spec.costs, len(decode)
     rows = sorted(((-p, i, j) for i, s in enumerate(decode)
                    for j, p in enumerate(spec.acceptance.survival(s.slot, limits[i]))))[:max(rows_left, 0)]
-    best, best_at, ks, tokens = n / (c.forward(n) + c.residual(False)), 0, [0] * n, 0.0
+    best, best_at, ks, tokens = n / (c.forward(n) + c.residual(PLAIN)), 0, [0] * n, 0.0
     for taken, (neg_p, i, _) in enumerate(rows, 1):
         ks[i] += 1
         tokens -= neg_p
         drafting = [j for j, k in enumerate(ks) if k]
         waiting = sum(spec.waiting_rows(decode[j].slot) for j in drafting)
-        t = c.forward(n + taken) + c.draft(len(drafting)) + c.append(waiting) + c.residual(True)
+        t = c.forward(n + taken) + c.draft(len(drafting)) + c.append(waiting) + c.residual(DRAFTING)
         if (n + tokens) / t > best:
             best, best_at = (n + tokens) / t, taken
     out = [0] * n
@@ -340,7 +341,7 @@ def test_best_drafts_bound_never_changes_the_choice(tiny_dflash_seq_artifact):
     for trial in range(60):
         spec.costs = _costs(forward_per_row=float(torch.rand(1, generator=rng)) * 1e-3,
                             draft=float(torch.rand(1, generator=rng)) * 4e-3)
-        spec.costs.record(True, 0.0, float(torch.rand(1, generator=rng)) * 2e-3)
+        spec.costs.record(DRAFTING, 0.0, float(torch.rand(1, generator=rng)) * 2e-3)
         spec.acceptance = AcceptanceModel(3, spec.block - 1)
         for slot in range(3):
             _observe(spec.acceptance, slot, 7, int(torch.randint(0, 8, (1,), generator=rng)), 5)
@@ -440,11 +441,27 @@ def test_cost_model_interpolates_and_corrects_online():
         costs.observe("forward", 3, 5.0)
     assert costs.forward(3) == pytest.approx(5.0, rel=1e-3)
     assert costs.forward(1) == pytest.approx(2.0, rel=1e-3)  # never timed: blank time x the measured ratio
-    costs.record(False, predicted=1.0, measured=1.5)
-    assert costs.residual(False) == costs.residual(True) == 0.5  # drafting steps not seen yet: the same
-    costs.record(True, predicted=1.0, measured=3.0)
-    costs.record(False, predicted=1.0, measured=0.5)
-    assert costs.residual(True) == 2.0 and costs.residual(False) == pytest.approx(0.5 + 0.2 * (-0.5 - 0.5))
+
+
+
+def test_host_work_is_the_median_of_recent_steps_per_kind():
+    costs = CostModel({1: 1.0}, {1: 0.5}, {1: 0.1}, padded=False, window=5)
+    assert costs.residual(PLAIN) == costs.residual(DRAFTING) == costs.residual(FUSED) == 0.0
+    costs.record(PLAIN, predicted=1.0, measured=1.5)
+    assert costs.residual(PLAIN) == costs.residual(DRAFTING) == costs.residual(FUSED) == 0.5  # unseen: plain's
+    costs.record(DRAFTING, predicted=1.0, measured=3.0)
+    assert costs.residual(DRAFTING) == 2.0
+    costs.record(FUSED, predicted=1.0, measured=1.1)  # a fused round's own host work stands, below a plain step's
+    assert costs.residual(FUSED) == pytest.approx(0.1) and costs.residual(PLAIN) == 0.5
+    costs.record(DRAFTING, predicted=1.0, measured=1.0)
+    costs.record(DRAFTING, predicted=1.0, measured=1.0)
+    assert costs.residual(DRAFTING) == 0.5  # median 0.0, never below the plain step's
+    for measured in (1.2, 1.2, 9.0, 1.2):  # one slow step among them moves nothing
+        costs.record(FUSED, predicted=1.0, measured=measured)
+    assert costs.residual(FUSED) == pytest.approx(0.2)
+    for _ in range(5):  # the window forgets: fused rounds got slower
+        costs.record(FUSED, predicted=1.0, measured=2.0)
+    assert costs.residual(FUSED) == pytest.approx(1.0)
 
 
 def test_cost_model_never_predicts_a_larger_call_cheaper():
