@@ -149,15 +149,20 @@ class AcceptanceModel:
     """Online estimates of a_j = P(draft j accepted | drafts < j accepted), j = 1..K, per slot.
 
     Per slot: decayed (hits, trials) per draft row, shrunk towards the global estimate with `strength`
-    pseudo-trials. Global: decayed counts over every round of every sequence, shrunk towards `prior`."""
+    pseudo-trials. Global: decayed counts over every round of every sequence, shrunk towards `prior`;
+    `global_counts` ([hits], [trials], k_max long) lets engines on the same drafter share them (what the
+    drafter achieves on this program is not a property of one engine: a new engine starts from what earlier
+    ones saw, not from the prior)."""
 
     def __init__(self, n_slots: int, k_max: int, prior: float = 0.6, strength: float = 3.0, decay: float = 0.8,
-                 global_decay: float = 0.98):
+                 global_decay: float = 0.98, global_counts: Optional[tuple[list, list]] = None):
         self.k_max, self.prior, self.strength = k_max, prior, strength
         self.decay, self.global_decay = decay, global_decay
         self._hits = [[0.0] * k_max for _ in range(n_slots)]
         self._trials = [[0.0] * k_max for _ in range(n_slots)]
-        self._g_hits, self._g_trials = [0.0] * k_max, [0.0] * k_max
+        if global_counts is None:
+            global_counts = ([0.0] * k_max, [0.0] * k_max)
+        self._g_hits, self._g_trials = global_counts
         self._memo: dict = {}  # (slot, k) -> survival, and None -> global rates; cleared by any observation
 
     def global_rates(self) -> list[float]:
@@ -247,11 +252,12 @@ class CostModel:
     that kind (PLAIN, DRAFTING: separate calls with drafts, FUSED: one fused round) costs beyond the tables
     (host work; on CUDA the wait for the step's one copy to the host), the median of the last `window`
     steps of the kind: one slow step (a first call's lazy work, a pause of the host) moves it by nothing,
-    where a mean taken from it would keep a kind that is then rarely chosen priced high for long."""
+    where a mean taken from it would keep a kind that is then rarely chosen priced high for long.
+    `host_work` ({kind: deque}) lets engines of the same program and settings share those windows."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2, rounds: Optional[dict[str, dict[int, float]]] = None,
-                 window: int = 9):
+                 window: int = 9, host_work: Optional[dict[str, collections.deque]] = None):
         self.tables = {"forward": dict(forward), "draft": dict(draft), "append": dict(append)}
         for name, table in (rounds or {}).items():  # fused rounds: the whole round's time per bucket of members
             self.tables[name] = dict(table)
@@ -261,9 +267,7 @@ class CostModel:
         self._scale = {name: 1.0 for name in self.tables}  # measured / blank, over every timed call
         self.padded = padded
         self.smoothing = smoothing
-        self._errors: dict[str, collections.deque] = {kind: collections.deque(maxlen=window)
-                                                      for kind in (PLAIN, DRAFTING, FUSED)}
-        self._residual = {kind: 0.0 for kind in self._errors}
+        self._errors = host_work if host_work is not None else new_host_work(window)
         self._monotone: dict[str, dict[int, float]] = {}
         self._known: dict[str, dict[int, float]] = {}  # n -> _predict(name, n) for the tables as they are
         for name in self.tables:
@@ -343,22 +347,30 @@ class CostModel:
         work is part of every step); a step with separate draft calls does all a plain step does and more,
         so its residual is never taken below the plain one. A fused round replaces the plain step's calls,
         so its own residual stands once seen."""
-        plain = self._residual[PLAIN] if self._errors[PLAIN] else self._residual[DRAFTING]
+        errors = self._errors
+        plain = statistics.median(errors[PLAIN] or errors[DRAFTING] or [0.0])
         if kind == PLAIN:
             return plain
-        own = self._residual[kind] if self._errors[kind] else plain
+        own = statistics.median(errors[kind]) if errors[kind] else plain
         return max(own, plain) if kind == DRAFTING else own
 
     def record(self, kind: str, predicted: float, measured: float) -> None:
         """A whole step of `kind` took `measured` seconds where the tables predicted `predicted`."""
-        errors = self._errors[kind]
-        errors.append(measured - predicted)
-        self._residual[kind] = statistics.median(errors)
+        self._errors[kind].append(measured - predicted)
+
+
+def new_host_work(window: int = 9) -> dict[str, collections.deque]:
+    """Empty windows of recent steps' host work, per kind of step (see `CostModel`)."""
+    return {kind: collections.deque(maxlen=window) for kind in (PLAIN, DRAFTING, FUSED)}
 
 
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
 
 _COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
+# What engines of one process on the same program learn online and share: host work per kind of step (by the
+# cost tables' key) and the drafter's global acceptance counts (by program and block).
+_HOST_WORK: dict[tuple, dict] = {}
+_GLOBAL_ACCEPTANCE: dict[tuple, tuple[list, list]] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -370,6 +382,12 @@ def _code_digest() -> str:
         for path in sorted(package.glob("*.py")):
             h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _program_key(runner: ModelRunner) -> str:
+    """The program's identity: its weights file's sha256 (the folder when the manifest lists no file)."""
+    files = runner.artifact.manifest.files
+    return files[0].sha256 if files else str(runner.artifact.directory)
 
 
 def _tables_path(key: tuple, device: torch.device) -> Path:
@@ -412,7 +430,8 @@ class Speculator:
         self.adaptive = config.speculation != SPECULATION_FIXED
         self.proposer = proposer if proposer is not None else DraftModelProposer(runner)
         self.stats = SpecStats()
-        self.acceptance = AcceptanceModel(runner.cache.n_slots, block - 1)
+        self.acceptance = AcceptanceModel(runner.cache.n_slots, block - 1, global_counts=_GLOBAL_ACCEPTANCE.setdefault(
+            (_program_key(runner), block), ([0.0] * (block - 1), [0.0] * (block - 1))))
         self.probes = ProbeSchedule(runner.cache.n_slots)
         self.costs: Optional[CostModel] = None
         self._flush_rows = runner.draft_cache.max_write  # waiting rows that trigger an append without a draft
@@ -436,6 +455,10 @@ class Speculator:
         self._round_now: Optional[FusedRound] = None  # this step's fused round, if anyone drafts (as chosen)
         self._fused_n = 0  # members of the fused round run this step (0: none)
         self._captures = runner.counters.captures  # graph captures inside a step: its time is not the step's
+        # A list to have adaptive speculation's choices logged, one dict per step (scripts: why it drafted or
+        # not): sequences, the plain step's predicted seconds and each option's expected tokens and seconds,
+        # then the step's kind and measured seconds.
+        self.trace: Optional[list] = None
         if self.adaptive:
             self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
             if runner.device.type == "cpu":  # calls are synchronous there: time each one
@@ -486,6 +509,8 @@ class Speculator:
             rows, share = n + sum(ks), c.draft(len(chosen)) / len(chosen)
             self._extra = {decode[i].slot: c.forward(rows) - c.forward(rows - ks[i]) + share for i in chosen}
             self._plain_rate, self._draft_rows = rate, sum(ks)
+        if self.trace is not None:
+            self.trace.append({"n": n, "unfused_drafts": sum(ks)})
         return ks
 
     def _choose_round(self, decode: list, limits: list[int], rows_left: int, rounds: list[FusedRound]) -> list[int]:
@@ -497,6 +522,7 @@ class Speculator:
         c, n = self.costs, len(decode)
         plain_t = c.forward(n) + c.residual(PLAIN)
         best_rate, best, top = n / max(plain_t, 1e-9), None, None  # top: the best round, paying or not
+        options = []
         for fr in rounds:
             ks = [min(fr.block - 1, k) for k in limits]
             if not any(ks) or sum(ks) > rows_left:
@@ -508,7 +534,10 @@ class Speculator:
                 best_rate, best = tokens / t, (fr, ks, t)
             if top is None or tokens / t > top[0]:
                 top = (tokens / t, (fr, ks, t))
+            options.append([fr.block, tokens, t])
         rate = n / max(plain_t, 1e-9)
+        if self.trace is not None:
+            self.trace.append({"n": n, "plain": [n, plain_t], "rounds": options, "chose": 0})
         if best is None and top is not None:  # plain wins; due probes still ride the best round
             fr, ks, t = top[1]
             share = max(t - plain_t, 0.0) / sum(1 for k in ks if k)
@@ -521,6 +550,8 @@ class Speculator:
             return [0] * n
         fr, ks, t = best
         self._round_now = fr
+        if self.trace is not None:
+            self.trace[-1].update(chose=fr.block, probe=bool(self._probing))
         chosen = [s.slot for s, k in zip(decode, ks) if k]
         self._prediction = (len(chosen), sum(self._waiting.count[slot] for slot in chosen))
         share = max(t - plain_t, 0.0) / len(chosen)  # each drafting member's seconds on top of a plain step
@@ -603,8 +634,7 @@ class Speculator:
 
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
-        key = (r.artifact.manifest.files[0].sha256 if r.artifact.manifest.files else str(r.artifact.directory),
-               str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None),
+        key = (_program_key(r), str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None),
                cfg.prefer_cublaslt, tuple(fr.block for fr in self.rounds))
         if key not in _COST_TABLES:
             tables = _load_tables(key, r.device)
@@ -614,7 +644,7 @@ class Speculator:
                     *(fr.measure() for fr in self.rounds)))
             _COST_TABLES[key] = tables
         forward, draft, append, *rounds = _COST_TABLES[key]
-        return CostModel(forward, draft, append, padded=cfg.padded,
+        return CostModel(forward, draft, append, padded=cfg.padded, host_work=_HOST_WORK.setdefault(key, new_host_work()),
                          rounds={fr.name: table for fr, table in zip(self.rounds, rounds)})
 
     def step_done(self, measured_s: float, rows: int) -> None:
@@ -635,6 +665,8 @@ class Speculator:
                 predicted = (c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
                              + c.append(self._flushed))
             c.record(kind, predicted, measured_s)
+            if self.trace is not None and self.trace and "measured" not in self.trace[-1]:
+                self.trace[-1].update(kind=kind, predicted=predicted, measured=measured_s)
         if self._probed and timed:
             self._judge_probes(measured_s, rows)
         self._probed = {}

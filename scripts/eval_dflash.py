@@ -40,9 +40,10 @@ def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: i
 _ARTIFACTS: dict = {}
 
 
-def _run(artifact_dir: Path, reqs, speculation: str | None, device: str):
+def _run(artifact_dir: Path, reqs, speculation: str | None, device: str, trace: list | None = None):
     """One engine (target-only when `speculation` is None) over `reqs`; the artifact is loaded once per
-    process, and the engine built (costs measured, CUDA graphs captured) before the clock starts."""
+    process, and the engine built (costs measured, CUDA graphs captured) before the clock starts. `trace`:
+    a list that gets adaptive speculation's choice of every step (`Speculator.trace`)."""
     from mg.runtime.artifact import load_artifact
     from mg.runtime.config import RunConfig
     from mg.runtime.engine import Engine
@@ -53,6 +54,8 @@ def _run(artifact_dir: Path, reqs, speculation: str | None, device: str):
     config = RunConfig(device=device, dflash=speculation is not None, speculation=speculation or "adaptive")
     engine = Engine(_ARTIFACTS[key], config)
     engine.warm_up()  # CUDA graphs of every bucket captured before the clock starts, for every engine alike
+    if trace is not None and engine.spec is not None:
+        engine.spec.trace = trace
     t0 = time.perf_counter()
     results = engine.run(reqs)
     if device == "cuda":
@@ -82,11 +85,12 @@ def _row_acceptance(hist: list[int], block: int) -> list[float]:
 
 
 def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str, policies: list[str],
-                    repeats: int = 1) -> dict:
+                    repeats: int = 1, traces: dict | None = None) -> dict:
     """Target-only vs each speculation policy: each prompt alone, then all prompts in one batch. Each
     measurement runs `repeats` times, target-only and the policies interleaved, and keeps the fastest: one
     timing of a short run on a shared machine swings by more than the differences sought, and the noise
-    only ever adds time."""
+    only ever adds time. `traces`: gets {run: adaptive speculation's choices per step} of each prompt's and
+    the batch's last adaptive run."""
     reqs = _requests(prompts, artifact_dir, max_new)
     from mg.manifests import read_manifest
 
@@ -94,18 +98,21 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
     per_prompt = {p: [] for p in policies}
     lossless = True
 
-    def timed(batch):
+    def timed(batch, name):
         """({policy or None: fastest seconds}, {policy or None: (results, stats) of the last run})."""
         times, last = {}, {}
         for _ in range(repeats):
             for policy in [None] + policies:
-                res, stats, s = _run(artifact_dir, batch, policy, device)
+                trace = [] if traces is not None and policy == "adaptive" else None
+                res, stats, s = _run(artifact_dir, batch, policy, device, trace)
+                if trace is not None:
+                    traces[name] = trace
                 times.setdefault(policy, []).append(s)
                 last[policy] = (res, stats)
         return {p: min(t) for p, t in times.items()}, last
 
     for req in reqs:
-        t, runs = timed([req])
+        t, runs = timed([req], req.id)
         ar = runs[None][0]
         for policy in policies:
             sd, sd_stats = runs[policy]
@@ -115,7 +122,7 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
                 "lossless": ar[0].tokens == sd[0].tokens, "acceptance_length": sd_stats.mean_acceptance_length,
                 "chosen_k_hist": list(sd_stats.chosen_k_hist), "target_only_s": t[None], "dflash_s": t[policy],
                 "speedup": t[None] / t[policy]})
-    t, runs = timed(reqs)
+    t, runs = timed(reqs, "batched")
     ar = runs[None][0]
     generated = sum(len(r.tokens) for r in ar)
     out = {"repeats": repeats, "target_only_tokens_per_s": generated / t[None], "policies": {}}
@@ -164,6 +171,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per measurement, target-only and DFlash interleaved; the fastest is kept")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--trace", type=Path, default=None,
+                   help="also write adaptive speculation's choice of every step (JSON: layout -> run -> steps)")
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats is {args.repeats}; allowed: an integer >= 1")
@@ -176,11 +185,15 @@ def main() -> int:
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
     results = {"device": args.device, "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens,
                "speculation": args.speculation.split(","), "layouts": {}}
+    traces = {}
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
             art = _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / layout, args.max_context)
+            traces[layout] = {} if args.trace is not None else None
             results["layouts"][layout] = evaluate_layout(art, args.prompts, args.max_new_tokens, args.device,
-                                                         args.speculation.split(","), args.repeats)
+                                                         args.speculation.split(","), args.repeats, traces[layout])
+    if args.trace is not None:
+        args.trace.write_text(json.dumps(traces) + "\n")
     table = _table(results)
     print(table)
     for layout, r in results["layouts"].items():

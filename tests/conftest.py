@@ -70,3 +70,14 @@ def _private_cache(tmp_path_factory):
         os.environ.pop("MG_CACHE_DIR", None)
     else:
         os.environ["MG_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def _fresh_speculation_knowledge():
+    """Each test's engines start from the prior: what earlier engines of the process learnt (the drafter's
+    global acceptance, host work per step) is shared by design, which would make tests depend on their order."""
+    from mg.runtime import speculative
+
+    speculative._GLOBAL_ACCEPTANCE.clear()
+    speculative._HOST_WORK.clear()
+    yield

@@ -618,3 +618,28 @@ def test_waiting_rows_keep_each_slots_rows_in_order_through_growth_and_release()
     with pytest.raises(RuntimeError, match="buffer holds"):
         slot = max(range(n_slots), key=lambda s: len(want[s]))
         wr.put(torch.zeros(rows + 1, width), list(range(rows + 1)), [(slot, rows + 1)])
+
+
+def test_engines_on_one_program_share_what_the_drafter_achieves(tiny_dflash_seq_artifact):
+    """The drafter's global acceptance and the host work per kind of step are the program's, not one
+    engine's: a new engine on the same program starts from them (a smaller draft block keeps its own)."""
+    art = load_artifact(tiny_dflash_seq_artifact)
+    first = Engine(art, RunConfig())
+    _observe(first.spec.acceptance, 0, 7, 7, 10)
+    first.spec.costs.record(PLAIN, predicted=1e-3, measured=3e-3)
+    second = Engine(art, RunConfig())
+    assert second.spec.acceptance.global_rates() == first.spec.acceptance.global_rates()
+    assert min(second.spec.acceptance.global_rates()) > 0.6  # above the prior
+    assert second.spec.costs.residual(PLAIN) == pytest.approx(2e-3)
+    other = Engine(art, RunConfig(draft_block=4))
+    assert other.spec.acceptance.global_rates() == pytest.approx([0.6] * 3)
+
+
+def test_adaptive_choices_can_be_traced(tiny_dflash_seq_artifact, tiny_cfg):
+    engine = _engine(tiny_dflash_seq_artifact, RunConfig(fused_rounds=True))
+    engine.spec.trace = trace = []
+    engine.run([Request("a", (5, 6, 7), 12, ignore_eos=True)])
+    assert trace and all("n" in step for step in trace)
+    timed = [step for step in trace if "measured" in step]
+    assert timed and all(step["kind"] in (PLAIN, FUSED, DRAFTING) and step["measured"] > 0 for step in timed)
+    assert any(len(step.get("rounds", ())) == len(engine.spec.rounds) == 2 for step in trace)  # blocks 8 and 4
