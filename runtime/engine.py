@@ -166,7 +166,7 @@ class Engine:
             rows = step.tokens.shape[0]
         self.stats.steps += 1
         if self.spec is not None:
-            self.spec.step_done(time.perf_counter() - t0, rows)
+            self.spec.step_done(time.perf_counter() - t0, rows, prefill=bool(batch.prefill))
 
     def _choose(self, decode: list, rows_left: int) -> list[int]:
         """The speculator's drafts, told whether prompt chunks may join the step (the scheduler has admitted

@@ -647,13 +647,15 @@ class Speculator:
         return CostModel(forward, draft, append, padded=cfg.padded, host_work=_HOST_WORK.setdefault(key, new_host_work()),
                          rounds={fr.name: table for fr, table in zip(self.rounds, rounds)})
 
-    def step_done(self, measured_s: float, rows: int) -> None:
-        """The engine's wall time of the step just run and its forward's row count. Timed calls (CPU) refine
-        the tables, and the step's time outside them is its host work; without timed calls (CUDA) the host
-        work is what the tables do not predict."""
+    def step_done(self, measured_s: float, rows: int, prefill: bool = False) -> None:
+        """The engine's wall time of the step just run, its forward's row count and whether prompt chunks
+        were in it. Timed calls (CPU) refine the tables, and the step's time outside them is its host work;
+        without timed calls (CUDA) the host work is what the tables do not predict. Steps with prompt chunks
+        (a prompt's first step does more host work than a decode step) and steps that captured graphs (their
+        capture's time) teach no host work and judge no probe."""
         log, c = self.runner.call_log, self.costs
         captures, self._captures = self._captures, self.runner.counters.captures
-        timed = captures == self._captures  # a step that captured graphs took their capture's time too
+        timed = captures == self._captures and not prefill
         if c is not None and self._prediction is not None and timed:
             drafting, waiting = self._prediction
             kind = FUSED if self._fused_n else DRAFTING if drafting else PLAIN
@@ -848,7 +850,10 @@ class WaitingRows:
                 old = self.regions
                 grown = min(self.n_slots, 2 * old)
                 buf = torch.empty(grown * self.rows, self._buf.shape[1], dtype=self._buf.dtype, device=self._buf.device)
-                buf[:self._buf.shape[0]] = self._buf
+                live = [i for s, r in self._region.items() for i in range(r * self.rows, r * self.rows + self.count[s])]
+                if live:  # only the waiting rows move (a region is mostly empty: rows waiting between appends)
+                    index = to_device(torch.tensor(live, dtype=torch.long), buf.device)
+                    buf.index_copy_(0, index, self._buf.index_select(0, index))
                 self._buf = buf
                 self._free = list(range(old, grown))[::-1]
             region = self._region[slot] = self._free.pop()
