@@ -643,3 +643,30 @@ def test_adaptive_choices_can_be_traced(tiny_dflash_seq_artifact, tiny_cfg):
     timed = [step for step in trace if "measured" in step]
     assert timed and all(step["kind"] in (PLAIN, FUSED, DRAFTING) and step["measured"] > 0 for step in timed)
     assert any(len(step.get("rounds", ())) == len(engine.spec.rounds) == 2 for step in trace)  # blocks 8 and 4
+
+
+def test_prompt_rows_come_before_draft_rows_in_a_step():
+    """A step's rows go to decoding sequences' pending tokens, then to prompt chunks, then to drafts: drafts
+    never keep an admitted prompt waiting."""
+    from mg.runtime.scheduler import Scheduler
+
+    sched = Scheduler(max_write=24, n_slots=4, capacity=96, vocab_size=64)
+    sched.submit(Request("a", (5, 6), 10))
+    sched.schedule()  # a's prompt (the engine advances n_cached)
+    sched.running[0].n_cached = 2
+    sched.append(sched.running[0], [7])
+    sched.submit(Request("b", tuple(range(4, 18)), 10))  # 14 prompt tokens
+    asked = []
+
+    def draft_rows(decode, rows_left):
+        asked.append(rows_left)
+        return [rows_left] + [0] * (len(decode) - 1)
+
+    batch = sched.schedule(draft_rows)
+    assert asked == [24 - 1 - 14] and batch.n_drafts == [9]  # b's whole prompt is in this step
+    assert [c.length for c in batch.prefill] == [14] and len(batch.decode) + 9 + 14 == 24
+    sched.submit(Request("c", tuple(range(4, 40)), 10))  # 36 prompt tokens: more than the step holds
+    sched.running[1].n_cached = 14
+    sched.append(sched.running[1], [7])
+    batch = sched.schedule(draft_rows)
+    assert asked[-1] == 0 and batch.n_drafts == [0, 0] and batch.prefill[0].length == 22
