@@ -12,8 +12,8 @@ The engine asks, each step, for:
 Draft context is appended lazily: committed hidden rows wait per sequence
 in one device buffer (a step's commits are one scatter into it), and enter
 the draft cache (one gather, then `draft_append` for all sequences that need it)
-just before that sequence's next draft, or once a sequence has a full
-`draft_append` call's worth waiting. A stretch of k = 0 rounds therefore
+just before that sequence's next draft, or once a sequence has `flush_rows`
+waiting (one to four `draft_append` calls' worth, within WAITING_BYTES). A stretch of k = 0 rounds therefore
 costs no drafter work, and the context is always complete when drafting
 resumes. Only rows of committed tokens ever enter the draft cache.
 
@@ -365,6 +365,15 @@ def new_host_work(window: int = 9) -> dict[str, collections.deque]:
 
 
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
+WAITING_BYTES = 256 << 20  # committed hidden rows waiting for the drafter, all slots together, at most about this
+
+
+def flush_rows(append_rows: int, n_slots: int, row_bytes: int) -> int:
+    """Waiting context rows of one sequence that trigger its append without a draft: as many as WAITING_BYTES
+    holds for every slot, between one `draft_append` call (`append_rows`) and four. Rows wait for the
+    sequence's next draft; a sequence that does not draft again before it ends never pays for them, so a
+    drafter that stopped paying costs nothing per token until that many rows have waited."""
+    return max(append_rows, min(4 * append_rows, WAITING_BYTES // max(1, n_slots * row_bytes)))
 
 _COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
 # What engines of one process on the same program learn online and share: host work per kind of step (by the
@@ -434,7 +443,8 @@ class Speculator:
             (_program_key(runner), block), ([0.0] * (block - 1), [0.0] * (block - 1))))
         self.probes = ProbeSchedule(runner.cache.n_slots)
         self.costs: Optional[CostModel] = None
-        self._flush_rows = runner.draft_cache.max_write  # waiting rows that trigger an append without a draft
+        self._flush_rows = flush_rows(runner.draft_cache.max_write, runner.cache.n_slots,
+                                      runner.hidden_width * runner.hidden_dtype.itemsize)
         self._waiting = WaitingRows(runner.cache.n_slots, self._flush_rows + runner.cache.max_write,
                                     runner.hidden_width, runner.hidden_dtype, runner.device)
         self._appended: dict[int, int] = {}  # slot -> positions in the draft cache

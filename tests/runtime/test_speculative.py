@@ -670,3 +670,22 @@ def test_prompt_rows_come_before_draft_rows_in_a_step():
     sched.append(sched.running[1], [7])
     batch = sched.schedule(draft_rows)
     assert asked[-1] == 0 and batch.n_drafts == [0, 0] and batch.prefill[0].length == 22
+
+
+def test_context_rows_wait_for_the_next_draft_within_a_memory_bound(tiny_dflash_seq_artifact):
+    """A sequence that stops drafting appends no context until flush_rows rows wait (then all of them):
+    between one draft_append call's worth and four, as WAITING_BYTES allows for every slot."""
+    assert spec_module.flush_rows(128, 8, 4608) == 512  # 4 calls' worth fits
+    assert spec_module.flush_rows(128, 128, 4608) == spec_module.WAITING_BYTES // (128 * 4608)
+    assert spec_module.flush_rows(128, 128, 51200) == 128  # never below one call's worth
+    engine = _engine(tiny_dflash_seq_artifact)
+    spec, runner = engine.spec, engine.runner
+    assert spec._flush_rows == 4 * runner.draft_cache.max_write
+    spec.choose = lambda decode, rows_left, **kw: [0] * len(decode)  # never drafts
+    appended, append = [], runner.draft_append
+    runner.draft_append = lambda hidden, pos, slots: (appended.append(hidden.shape[0]), append(hidden, pos, slots))
+    engine.run([Request("short", tuple(range(4, 14)), 30, ignore_eos=True)])  # 40 rows: under the bound
+    assert appended == []
+    spec._flush_rows = 16  # a tighter bound: every 16 committed rows go in one append
+    engine.run([Request("long", tuple(range(4, 14)), 30, ignore_eos=True)])
+    assert appended == [16, 16]  # 39 rows committed: 16 + 16 appended, 7 left waiting when it ended
