@@ -165,6 +165,11 @@ class FusedRound:
 
     # ------------------------------------------------------------------ warm-up and costs
 
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """Buckets of members with a live CUDA graph now (empty without graphs)."""
+        return self._graphs.captured if self._graphs is not None else ()
+
     def warm_up(self) -> None:
         """Capture every bucket's graph now, on padding-only rounds (nothing to do without graphs)."""
         if self._graphs is not None:

@@ -158,7 +158,9 @@ def test_greedy_generation_with_graphs_equals_eager_and_cpu(which, request, tiny
         # after a warm-up every capture is a recapture (cache growth), never a bucket's first
         assert warm.graph_counters.captures - before[0] == warm.graph_counters.recaptures - before[1]
         if "dflash" in which:
-            assert engine.runner.captured(C.METHOD_DRAFT_BLOCK) and engine.runner.captured(C.METHOD_DRAFT_APPEND)
+            # the drafter ran from graphs: its methods' own, or inside fused rounds' (all a step's drafts can be)
+            assert engine.runner.captured(C.METHOD_DRAFT_APPEND)
+            assert engine.runner.captured(C.METHOD_DRAFT_BLOCK) or any(fr.captured for fr in engine.spec.rounds)
             assert engine.spec_stats.rounds > 0 or speculation == "adaptive"
 
 
