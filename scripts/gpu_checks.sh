@@ -32,7 +32,8 @@ for step in "${steps[@]}"; do
         attention) python3 scripts/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" ;;
         quant) python3 scripts/bench_quant.py --head --out "$OUT/bench_quant.json" 2>&1 | tee "$OUT/bench_quant.md" ;;
         decode) python3 scripts/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.md" ;;
-        eval) python3 scripts/eval_dflash.py --device cuda --out "$OUT/eval_dflash_cuda.json" 2>&1 \
+        eval) python3 scripts/eval_dflash.py --device cuda --out "$OUT/eval_dflash_cuda.json" \
+                  --trace "$OUT/eval_dflash_cuda_trace.json" 2>&1 \
                   | grep -v "Warning\|return cls" | tee "$OUT/eval_dflash_cuda.md" ;;
         profile) python3 scripts/profile_engine.py --device cuda --out "$OUT/profile_engine_cuda.json" \
                   --profile "$OUT/profiles" 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/profile_engine_cuda.md" ;;
