@@ -1,7 +1,7 @@
 """Decode benchmarks of `mg-run`'s engine on CUDA: step time per execution mode (`eager`: the interpreter op
 by op; `graphs`: the interpreter under CUDA graphs; `compiled`: compiled fused methods under CUDA graphs, the
-default on CUDA), the weight-bandwidth floor, the DFlash cost ratio, end-to-end tokens/s, and the two KV
-layouts. DFlash and end-to-end runs use the last of `--modes`.
+default on CUDA), the weight-bandwidth floor, the DFlash cost ratio (separate draft and verify calls, and a
+whole round as one fused call), end-to-end tokens/s, and the two KV layouts. DFlash and end-to-end runs use the last of `--modes`.
 
 A random-weight MG target (default: dim 2048, 8 layers, 16 heads, 2 KV heads, head_dim 128,
 ffn 6144, vocab 32000, bf16, ~0.54B parameters; `--layers` changes the depth) with a random
@@ -14,7 +14,7 @@ bf16 weights) with the mg-30b drafter preset: each layout is exported (streaming
 whose peak RSS is reported), benchmarked, and deleted before the next, so one artifact is on disk
 at a time. The report adds export time, GB/s and peak RSS, load time, host RSS and device memory
 after load, and the DFlash speed-up projected from the measured round cost at acceptance lengths
-3.2 and 6.5 (speed-up = acceptance length / (round time / step time)).
+3.2 and 6.5 (speed-up = acceptance length / (round time / step time), the faster of the two rounds).
 
     python scripts/bench_decode.py --out bench_decode.json
     python scripts/bench_decode.py --preset mg-30b --n-layers 16 --out bench_real.json
@@ -170,11 +170,11 @@ def steady_steps(engine, batch: int, warm: int, steps: int, device: str, vocab: 
         engine.step()
     sync(device)
     wall = time.perf_counter() - t0
-    out = {"step_ms": 1e3 * wall / steps, "forward_ms": 1e3 * statistics.median(fwd),
-           "tokens_per_step": (engine.stats.generated_tokens - gen0) / steps}
-    if draft:
+    out = {"step_ms": 1e3 * wall / steps, "forward_ms": 1e3 * statistics.median(fwd) if fwd else None,
+           "tokens_per_step": (engine.stats.generated_tokens - gen0) / steps}  # fused rounds call no `forward`
+    if engine.spec is not None:
         rounds = spec.rounds - rounds0
-        out.update(draft_ms=1e3 * statistics.median(draft),
+        out.update(draft_ms=1e3 * statistics.median(draft) if draft else None,
                    acceptance_length=(spec.accepted_tokens - acc0 + rounds) / max(rounds, 1))
     return out
 
@@ -230,19 +230,26 @@ def bench_layout(path: str, layout: str, args, cfg, weight_bytes: int, bw: float
             print(f"  [{layout}] decode batch {b} {mode:8s}: {r['step_ms']:.2f} ms/step "
                   f"(forward {r['forward_ms']:.2f} ms; floor {1e3 * weight_bytes / bw:.2f} ms)", flush=True)
     mode = args.modes[-1]
-    for b in args.dflash_batches:
-        r = steady_steps(fresh(mode, speculation="fixed"), b, 3, args.steps, dev, cfg.vocab_size)
+    for b in args.dflash_batches:  # separate calls (c from their forward times), then fused rounds
+        r = steady_steps(fresh(mode, speculation="fixed", fused_rounds=False), b, 3, args.steps, dev, cfg.vocab_size)
         decode = res["decode"].get(f"{b}/{mode}") or steady_steps(
             fresh(mode, dflash=False), b, 3, args.steps, dev, cfg.vocab_size)
         res["decode"][f"{b}/{mode}"] = decode
         r["c"] = (r["draft_ms"] + r["forward_ms"]) / decode["forward_ms"]
         r["c_step"] = r["step_ms"] / decode["step_ms"]
-        r["projected_speedup"] = {str(tau): tau / r["c_step"] for tau in (3.2, 6.5)}
+        engine = fresh(mode, speculation="fixed", fused_rounds=True)  # graph replays on CUDA, eager elsewhere
+        if engine.spec.fused is not None and b <= engine.spec.fused.limit:
+            fused = steady_steps(engine, b, 3, args.steps, dev, cfg.vocab_size)
+            r.update(fused_round_ms=fused["step_ms"], c_fused=fused["step_ms"] / decode["step_ms"])
+        best = min(r["c_step"], r.get("c_fused", float("inf")))
+        r["projected_speedup"] = {str(tau): tau / best for tau in (3.2, 6.5)}
         res["dflash"][str(b)] = r
         save()
+        fused_note = (f"; fused round {r['fused_round_ms']:.2f} ms = {r['c_fused']:.2f} steps" if "c_fused" in r
+                      else "; no fused round holds this batch")
         print(f"  [{layout}] DFlash batch {b}: draft {r['draft_ms']:.2f} ms + verify {r['forward_ms']:.2f} ms vs "
               f"decode {decode['forward_ms']:.2f} ms -> c = {r['c']:.2f} (whole round / whole step "
-              f"{r['c_step']:.2f}); acceptance length {r['acceptance_length']:.2f}", flush=True)
+              f"{r['c_step']:.2f}{fused_note}); acceptance length {r['acceptance_length']:.2f}", flush=True)
     for b in args.e2e_batches:
         ar = end_to_end(lambda: fresh(mode, dflash=False), b, args.max_new, cfg.vocab_size)
         df = end_to_end(lambda: fresh(mode, speculation="fixed"), b, args.max_new, cfg.vocab_size)
@@ -283,14 +290,14 @@ def tables(report: dict) -> str:
             lines.append(f"| {layout} | {b} | {steps} | {fwd:.2f} | {fwd / report['floor_ms']:.2f}x | "
                          f"{report['floor_ms']:.2f} |")
     lines += ["", f"DFlash (block {report['draft_config']['block_size']}, random drafter): c = (t_draft + t_verify) / t_decode, forward times",
-              "", "| layout | batch | t_draft ms | t_verify ms | t_decode ms | c | round/step | acceptance length "
-              "| projected speed-up at 3.2 / 6.5 |", "|---|---|---|---|---|---|---|---|---|"]
+              "", "| layout | batch | t_draft ms | t_verify ms | t_decode ms | c | round/step | fused round/step "
+              "| acceptance length | projected speed-up at 3.2 / 6.5 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for layout, res in report["layouts"].items():
         for b, r in res["dflash"].items():
             d = res["decode"].get(f"{b}/{best}", {}).get("forward_ms", float("nan"))
             proj = r.get("projected_speedup", {})
             lines.append(f"| {layout} | {b} | {r['draft_ms']:.2f} | {r['forward_ms']:.2f} | {d:.2f} | {r['c']:.2f} | "
-                         f"{r['c_step']:.2f} | {r['acceptance_length']:.2f} | "
+                         f"{r['c_step']:.2f} | {r.get('c_fused', float('nan')):.2f} | {r['acceptance_length']:.2f} | "
                          f"{proj.get('3.2', float('nan')):.2f}x / {proj.get('6.5', float('nan')):.2f}x |")
     lines += ["", f"End to end ({PROMPT}-token prompts, {report['max_new']} new tokens each, after a warm-up run)",
               "", "| layout | batch | AR tok/s | DFlash fixed tok/s | fixed acceptance length | DFlash adaptive tok/s "
