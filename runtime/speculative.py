@@ -248,12 +248,15 @@ class CostModel:
     sizes; never below a smaller size's time (a table refined by noisy calls may dip, and a dip would make
     extra rows look free). `observe(name, n, seconds)` moves the bucket's entry towards a measured call, and
     buckets not timed yet by the mean ratio of measured to blank-input time (calls are timed where they are
-    synchronous: on CPU; blank inputs miss attention over real contexts). `residual(kind)`: what a step of
-    that kind (PLAIN, DRAFTING: separate calls with drafts, FUSED: one fused round) costs beyond the tables
-    (host work; on CUDA the wait for the step's one copy to the host), the median of the last `window`
-    steps of the kind: one slow step (a first call's lazy work, a pause of the host) moves it by nothing,
-    where a mean taken from it would keep a kind that is then rarely chosen priced high for long.
-    `host_work` ({kind: deque}) lets engines of the same program and settings share those windows."""
+    synchronous: on CPU; blank inputs miss attention over real contexts). `residual(kind, n)`: what a step
+    of that kind (PLAIN, DRAFTING: separate calls with drafts, FUSED: one fused round) of n decoding
+    sequences costs beyond the tables (host work, which grows with the sequences; on CUDA also the wait for
+    the step's one copy to the host): the median of the last `window` steps of the kind at n's power-of-two
+    bucket. One slow step (a first call's lazy work, a pause of the host) moves a median by nothing, where a
+    mean taken from it would keep a kind that is then rarely chosen priced high for long. A kind not seen at
+    a bucket is priced low, not high, so that it is chosen and measured: a plain step at no host work, the
+    others at a plain step's. `host_work` ({(kind, bucket): deque}) lets engines of the same program and
+    settings share those windows."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2, rounds: Optional[dict[str, dict[int, float]]] = None,
@@ -267,7 +270,8 @@ class CostModel:
         self._scale = {name: 1.0 for name in self.tables}  # measured / blank, over every timed call
         self.padded = padded
         self.smoothing = smoothing
-        self._errors = host_work if host_work is not None else new_host_work(window)
+        self._errors = host_work if host_work is not None else {}
+        self.window = window
         self._monotone: dict[str, dict[int, float]] = {}
         self._known: dict[str, dict[int, float]] = {}  # n -> _predict(name, n) for the tables as they are
         for name in self.tables:
@@ -342,26 +346,33 @@ class CostModel:
                 table[size] = blank[size] * self._scale[name]
         self._update_monotone(name)
 
-    def residual(self, kind: str) -> float:
-        """Host work per step of `kind`. Until a kind is seen it is priced as a plain step's (a plain step's
-        work is part of every step); a step with separate draft calls does all a plain step does and more,
-        so its residual is never taken below the plain one. A fused round replaces the plain step's calls,
-        so its own residual stands once seen."""
-        errors = self._errors
-        plain = statistics.median(errors[PLAIN] or errors[DRAFTING] or [0.0])
+    def residual(self, kind: str, n: int = 1) -> float:
+        """Host work per step of `kind` with n decoding sequences. Until a kind is seen at n's bucket it is
+        priced as a plain step's (a plain step's work is part of every step), and a plain step not seen there
+        at none; a step with separate draft calls does all a plain step does and more, so its residual is
+        never taken below the plain one. A fused round replaces the plain step's calls, so its own residual
+        stands once seen."""
+        b = _bucket(n)
+        seen = self._errors.get((PLAIN, b))
+        plain = statistics.median(seen) if seen else 0.0
         if kind == PLAIN:
             return plain
-        own = statistics.median(errors[kind]) if errors[kind] else plain
+        seen = self._errors.get((kind, b))
+        own = statistics.median(seen) if seen else plain
         return max(own, plain) if kind == DRAFTING else own
 
-    def record(self, kind: str, predicted: float, measured: float) -> None:
-        """A whole step of `kind` took `measured` seconds where the tables predicted `predicted`."""
-        self._errors[kind].append(measured - predicted)
+    def record(self, kind: str, predicted: float, measured: float, n: int = 1) -> None:
+        """A whole step of `kind` and n decoding sequences took `measured` seconds where the tables predicted
+        `predicted`."""
+        key = (kind, _bucket(n))
+        if key not in self._errors:
+            self._errors[key] = collections.deque(maxlen=self.window)
+        self._errors[key].append(measured - predicted)
 
 
-def new_host_work(window: int = 9) -> dict[str, collections.deque]:
-    """Empty windows of recent steps' host work, per kind of step (see `CostModel`)."""
-    return {kind: collections.deque(maxlen=window) for kind in (PLAIN, DRAFTING, FUSED)}
+def _bucket(n: int) -> int:
+    """n's power-of-two bucket (1, 2, 4, ...): steps of about as many sequences share a host-work window."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
@@ -464,6 +475,7 @@ class Speculator:
         self.fused = next((r for r in self.rounds if r.block == block), None)  # the full block's rounds
         self._round_now: Optional[FusedRound] = None  # this step's fused round, if anyone drafts (as chosen)
         self._fused_n = 0  # members of the fused round run this step (0: none)
+        self._n = 0
         self._captures = runner.counters.captures  # graph captures inside a step: its time is not the step's
         # A list to have adaptive speculation's choices logged, one dict per step (scripts: why it drafted or
         # not): sequences, the plain step's predicted seconds and each option's expected tokens and seconds,
@@ -481,6 +493,7 @@ class Speculator:
         may join the step (it then cannot fuse, and is priced as separate calls)."""
         limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
         self._probing = set()
+        self._n = len(decode)  # the step's decoding sequences, for its host work
         rounds = self._fusable_rounds(decode)
         self._round_now = None
         if not self.adaptive:  # fused whenever the step turns out to have no prompt chunks (`fuses`)
@@ -496,7 +509,7 @@ class Speculator:
         ks = self._best_drafts(decode, limits, rows_left)
         rows_left -= sum(ks)
         c, n = self.costs, len(decode)
-        rate = n / max(c.forward(n) + c.residual(PLAIN), 1e-9)  # a plain step's tokens per second
+        rate = n / max(c.forward(n) + c.residual(PLAIN, n), 1e-9)  # a plain step's tokens per second
         # Sequences kept at k = 0 for a while probe; once the step pays for a draft call anyway, those
         # halfway to their probe join it (their probe costs only verify rows now). A probe is due no sooner
         # than its predicted cost, in plain-step tokens, allows within PROBE_BUDGET of plain decoding.
@@ -530,7 +543,7 @@ class Speculator:
         plain step wins and a sequence's probe is due (`ProbeSchedule`, its cost a member's share of the
         round over the plain step), the round with the best rate runs anyway."""
         c, n = self.costs, len(decode)
-        plain_t = c.forward(n) + c.residual(PLAIN)
+        plain_t = c.forward(n) + c.residual(PLAIN, n)
         best_rate, best, top = n / max(plain_t, 1e-9), None, None  # top: the best round, paying or not
         options = []
         for fr in rounds:
@@ -538,7 +551,7 @@ class Speculator:
             if not any(ks) or sum(ks) > rows_left:
                 continue
             waiting = sum(self._waiting.count[s.slot] for s, k in zip(decode, ks) if k)
-            t = c.round(fr.name, n) + c.append(waiting) + c.residual(FUSED)
+            t = c.round(fr.name, n) + c.append(waiting) + c.residual(FUSED, n)
             tokens = n + sum(sum(self.acceptance.survival(s.slot, k)) for s, k in zip(decode, ks) if k)
             if tokens / t > best_rate:
                 best_rate, best = tokens / t, (fr, ks, t)
@@ -574,11 +587,11 @@ class Speculator:
         costs = self.costs
         gains = [self.acceptance.survival(s.slot, k) for s, k in zip(decode, limits)]
         n = len(decode)
-        best_ratio = n / (costs.forward(n) + costs.residual(PLAIN))
+        best_ratio = n / (costs.forward(n) + costs.residual(PLAIN, n))
         # Bounds (most steps of a batch the drafter does not help end at the first): every draft row accepted
         # in expectation, at the cheapest drafting step's time; in the search, at the time of the prefix so
         # far (a step's time never falls as rows, drafting sequences and waiting context grow).
-        cheapest = self._step_cost(n, 1, 1) + costs.residual(DRAFTING)
+        cheapest = self._step_cost(n, 1, 1) + costs.residual(DRAFTING, n)
         bound = n + sum(map(sum, gains))
         if rows_left <= 0 or (cheapest > 0 and bound / cheapest <= best_ratio):
             return [0] * n
@@ -597,7 +610,7 @@ class Speculator:
                 drafting += 1
                 waiting += self._waiting.count[decode[i].slot]
             ks[i] += 1
-            t = self._step_cost(n, rows, drafting) + costs.append(waiting) + costs.residual(DRAFTING)
+            t = self._step_cost(n, rows, drafting) + costs.append(waiting) + costs.residual(DRAFTING, n)
             ratio = (n + tokens) / t
             if ratio > best_ratio:
                 best_ratio, best = ratio, len(taken)
@@ -630,7 +643,8 @@ class Speculator:
         that accepted nothing never paid, whatever the (possibly noisy) times say; one that did not pay waits
         at least as many steps as keep its cost within PROBE_BUDGET."""
         c = self.costs
-        plain_s = c.forward(rows - self._draft_rows) + c.residual(PLAIN) + c.append(self._flushed)
+        n = rows - self._draft_rows
+        plain_s = c.forward(n) + c.residual(PLAIN, n) + c.append(self._flushed)
         over = measured_s - plain_s
         predicted = sum(self._extra.values())
         for slot, accepted in self._probed.items():
@@ -654,7 +668,7 @@ class Speculator:
                     *(fr.measure() for fr in self.rounds)))
             _COST_TABLES[key] = tables
         forward, draft, append, *rounds = _COST_TABLES[key]
-        return CostModel(forward, draft, append, padded=cfg.padded, host_work=_HOST_WORK.setdefault(key, new_host_work()),
+        return CostModel(forward, draft, append, padded=cfg.padded, host_work=_HOST_WORK.setdefault(key, {}),
                          rounds={fr.name: table for fr, table in zip(self.rounds, rounds)})
 
     def step_done(self, measured_s: float, rows: int, prefill: bool = False) -> None:
@@ -676,7 +690,7 @@ class Speculator:
             else:
                 predicted = (c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
                              + c.append(self._flushed))
-            c.record(kind, predicted, measured_s)
+            c.record(kind, predicted, measured_s, self._n)
             if self.trace is not None and self.trace and "measured" not in self.trace[-1]:
                 self.trace[-1].update(kind=kind, predicted=predicted, measured=measured_s)
         if self._probed and timed:

@@ -84,6 +84,9 @@ def test_greedy_dflash_matches_target_only(which, config, request, tiny_cfg):
     reference = _tokens(_engine(art, TARGET_ONLY), reqs)
     eos = {reference[2][6]}  # an EOS the model does emit: a token from the middle of one reference output
     engine = _engine(art, config)
+    if engine.spec.adaptive:  # a drafter believed good (global estimates), so that adaptive speculation drafts
+        _observe(engine.spec.acceptance, 0, 7, 7, 10)
+        engine.spec.acceptance.reset(0)
     assert _tokens(engine, reqs) == reference
     assert engine.spec_stats.rounds > 0 and engine.spec_stats.drafted_tokens > 0
     got_eos = _tokens(_engine(art, config, eos=eos), reqs)
@@ -318,13 +321,13 @@ def _best_prefix_reference(spec, decode, limits, rows_left):
     c, n = spec.costs, len(decode)
     rows = sorted(((-p, i, j) for i, s in enumerate(decode)
                    for j, p in enumerate(spec.acceptance.survival(s.slot, limits[i]))))[:max(rows_left, 0)]
-    best, best_at, ks, tokens = n / (c.forward(n) + c.residual(PLAIN)), 0, [0] * n, 0.0
+    best, best_at, ks, tokens = n / (c.forward(n) + c.residual(PLAIN, n)), 0, [0] * n, 0.0
     for taken, (neg_p, i, _) in enumerate(rows, 1):
         ks[i] += 1
         tokens -= neg_p
         drafting = [j for j, k in enumerate(ks) if k]
         waiting = sum(spec.waiting_rows(decode[j].slot) for j in drafting)
-        t = c.forward(n + taken) + c.draft(len(drafting)) + c.append(waiting) + c.residual(DRAFTING)
+        t = c.forward(n + taken) + c.draft(len(drafting)) + c.append(waiting) + c.residual(DRAFTING, n)
         if (n + tokens) / t > best:
             best, best_at = (n + tokens) / t, taken
     out = [0] * n
@@ -341,7 +344,7 @@ def test_best_drafts_bound_never_changes_the_choice(tiny_dflash_seq_artifact):
     for trial in range(60):
         spec.costs = _costs(forward_per_row=float(torch.rand(1, generator=rng)) * 1e-3,
                             draft=float(torch.rand(1, generator=rng)) * 4e-3)
-        spec.costs.record(DRAFTING, 0.0, float(torch.rand(1, generator=rng)) * 2e-3)
+        spec.costs.record(DRAFTING, 0.0, float(torch.rand(1, generator=rng)) * 2e-3, n=3)
         spec.acceptance = AcceptanceModel(3, spec.block - 1)
         for slot in range(3):
             _observe(spec.acceptance, slot, 7, int(torch.randint(0, 8, (1,), generator=rng)), 5)
@@ -444,9 +447,9 @@ def test_cost_model_interpolates_and_corrects_online():
 
 
 
-def test_host_work_is_the_median_of_recent_steps_per_kind():
+def test_host_work_is_the_median_of_recent_steps_per_kind_and_batch():
     costs = CostModel({1: 1.0}, {1: 0.5}, {1: 0.1}, padded=False, window=5)
-    assert costs.residual(PLAIN) == costs.residual(DRAFTING) == costs.residual(FUSED) == 0.0
+    assert costs.residual(PLAIN) == costs.residual(DRAFTING) == costs.residual(FUSED) == 0.0  # unseen: priced low
     costs.record(PLAIN, predicted=1.0, measured=1.5)
     assert costs.residual(PLAIN) == costs.residual(DRAFTING) == costs.residual(FUSED) == 0.5  # unseen: plain's
     costs.record(DRAFTING, predicted=1.0, measured=3.0)
@@ -462,6 +465,10 @@ def test_host_work_is_the_median_of_recent_steps_per_kind():
     for _ in range(5):  # the window forgets: fused rounds got slower
         costs.record(FUSED, predicted=1.0, measured=2.0)
     assert costs.residual(FUSED) == pytest.approx(1.0)
+    # Steps of 20 sequences do more host work; they teach steps of 17-32 sequences, not of one.
+    costs.record(PLAIN, predicted=1.0, measured=4.0, n=20)
+    assert costs.residual(PLAIN, 20) == costs.residual(PLAIN, 32) == 3.0 and costs.residual(PLAIN, 16) == 0.0
+    assert costs.residual(PLAIN, 1) == 0.5 and costs.residual(FUSED, 20) == 3.0
 
 
 def test_cost_model_never_predicts_a_larger_call_cheaper():
