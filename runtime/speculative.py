@@ -544,8 +544,8 @@ class Speculator:
         round over the plain step), the round with the best rate runs anyway."""
         c, n = self.costs, len(decode)
         plain_t = c.forward(n) + c.residual(PLAIN, n)
-        best_rate, best, top = n / max(plain_t, 1e-9), None, None  # top: the best round, paying or not
-        options = []
+        rate = n / max(plain_t, 1e-9)  # a plain step's tokens per second
+        top, options = None, []  # top: (tokens per second, round, drafts, seconds) of the best round
         for fr in rounds:
             ks = [min(fr.block - 1, k) for k in limits]
             if not any(ks) or sum(ks) > rows_left:
@@ -553,25 +553,20 @@ class Speculator:
             waiting = sum(self._waiting.count[s.slot] for s, k in zip(decode, ks) if k)
             t = c.round(fr.name, n) + c.append(waiting) + c.residual(FUSED, n)
             tokens = n + sum(sum(self.acceptance.survival(s.slot, k)) for s, k in zip(decode, ks) if k)
-            if tokens / t > best_rate:
-                best_rate, best = tokens / t, (fr, ks, t)
-            if top is None or tokens / t > top[0]:
-                top = (tokens / t, (fr, ks, t))
             options.append([fr.block, tokens, t])
-        rate = n / max(plain_t, 1e-9)
+            if top is None or tokens / t > top[0]:
+                top = (tokens / t, fr, ks, t)
         if self.trace is not None:
             self.trace.append({"n": n, "plain": [n, plain_t], "rounds": options, "chose": 0})
-        if best is None and top is not None:  # plain wins; due probes still ride the best round
-            fr, ks, t = top[1]
+        if top is not None and top[0] <= rate:  # a plain step pays better; due probes still ride the round
+            _, _, ks, t = top
             share = max(t - plain_t, 0.0) / sum(1 for k in ks if k)
-            due = {s.slot for s, k in zip(decode, ks)
-                   if k and self.probes.due(s.slot, 1.0, floor=rate * share / PROBE_BUDGET)}
-            if due:
-                best, self._probing = top[1], due
-        if best is None:
+            self._probing = {s.slot for s, k in zip(decode, ks)
+                             if k and self.probes.due(s.slot, 1.0, floor=rate * share / PROBE_BUDGET)}
+        if top is None or (top[0] <= rate and not self._probing):
             self._prediction = (0, 0)
             return [0] * n
-        fr, ks, t = best
+        _, fr, ks, t = top
         self._round_now = fr
         if self.trace is not None:
             self.trace[-1].update(chose=fr.block, probe=bool(self._probing))

@@ -333,6 +333,14 @@ def test_adaptive_chooses_the_round_block_with_the_most_tokens_per_second(tiny_d
         for _ in range(20):
             spec.acceptance.observe(slot, 7, 0)
     assert spec.choose(seqs, 21) == [0, 0, 0]
+    # A probe is due once its share of the best round (block 8 here: 2 ms, 1 ms over a plain step, for 3
+    # members) fits PROBE_BUDGET of plain decoding: 3000 tok/s x 0.33 ms / 0.05 = 20 plain steps.
+    steps = 0
+    while spec.choose(seqs, 21) == [0, 0, 0]:
+        for s in seqs:
+            spec.observe(s, 0, 0)
+        steps += 1
+    assert 19 <= steps <= 21 and spec._round_now.block == 8 and spec._probing == {0, 1, 2}
 
 
 def test_adaptive_fused_rounds_of_smaller_blocks_serve_more_sequences(tiny_dflash_cell_artifact, tiny_cfg):
