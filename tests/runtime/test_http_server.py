@@ -197,9 +197,10 @@ def test_a_full_server_answers_429_at_once(server):
     state.max_queue = 0
     streams = []
     try:
-        for _ in range(state.n_slots):
-            streams.append(_Stream(base, {"prompt": "x", "max_tokens": 80}))
+        for _ in range(state.n_slots):  # greedy: no stream ends early on a sampled EOS, freeing its slot
+            streams.append(_Stream(base, {"prompt": "x", "max_tokens": 80, "temperature": 0}))
             streams[-1].first_data()
+        assert len(state.worker.engine.scheduler.running) == state.n_slots
         t0 = time.perf_counter()
         status, body = _http(base, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 429 and time.perf_counter() - t0 < 2
