@@ -51,9 +51,10 @@ has the most expected tokens per second by a measured table of whole rounds
 per block and bucket; every member of a round drafts all it may.
 
 Host work per step is learnt apart for plain steps, steps with separate draft
-calls and fused rounds, as the median of the last few steps of each kind, so
-one slow step (a first call's lazy work) cannot price a kind out for long;
-steps that captured CUDA graphs are not timed.
+calls and fused rounds, and per power-of-two bucket of decoding sequences, as
+the median of the last few such steps, so one slow step (a first call's lazy
+work) cannot price a kind out for long; steps with prompt chunks or CUDA graph
+captures are not timed.
 
 Knows the model runner, the scheduler's records and the run config; nothing
 of sampling math (`spec_accept.py`) or mg.export. See docs/ARCHITECTURE.md
@@ -558,21 +559,20 @@ class Speculator:
                 top = (tokens / t, fr, ks, t)
         if self.trace is not None:
             self.trace.append({"n": n, "plain": [n, plain_t], "rounds": options, "chose": 0})
-        if top is not None and top[0] <= rate:  # a plain step pays better; due probes still ride the round
-            _, _, ks, t = top
-            share = max(t - plain_t, 0.0) / sum(1 for k in ks if k)
-            self._probing = {s.slot for s, k in zip(decode, ks)
-                             if k and self.probes.due(s.slot, 1.0, floor=rate * share / PROBE_BUDGET)}
-        if top is None or (top[0] <= rate and not self._probing):
-            self._prediction = (0, 0)
+        self._prediction = (0, 0)  # a plain step, unless a round pays or carries a due probe
+        if top is None:
             return [0] * n
-        _, fr, ks, t = top
+        best_rate, fr, ks, t = top
+        chosen = [s.slot for s, k in zip(decode, ks) if k]
+        share = max(t - plain_t, 0.0) / len(chosen)  # each drafting member's seconds on top of a plain step
+        if best_rate <= rate:  # a plain step pays better; due probes still ride the round
+            self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=rate * share / PROBE_BUDGET)}
+            if not self._probing:
+                return [0] * n
         self._round_now = fr
         if self.trace is not None:
             self.trace[-1].update(chose=fr.block, probe=bool(self._probing))
-        chosen = [s.slot for s, k in zip(decode, ks) if k]
         self._prediction = (len(chosen), sum(self._waiting.count[slot] for slot in chosen))
-        share = max(t - plain_t, 0.0) / len(chosen)  # each drafting member's seconds on top of a plain step
         self._extra = {slot: share for slot in chosen}
         self._plain_rate, self._draft_rows = rate, sum(ks)
         return ks
@@ -631,14 +631,13 @@ class Speculator:
             k += 1
         return k
 
-    def _judge_probes(self, measured_s: float, rows: int) -> None:
+    def _judge_probes(self, measured_s: float) -> None:
         """Did each probe of the step just run pay: did its accepted drafts come faster than plain steps make
         tokens? Its cost: the step's measured time over a plain step's predicted time for the rows without
         drafts, shared among the drafting sequences as predicted (never below its own prediction). A probe
         that accepted nothing never paid, whatever the (possibly noisy) times say; one that did not pay waits
         at least as many steps as keep its cost within PROBE_BUDGET."""
-        c = self.costs
-        n = rows - self._draft_rows
+        c, n = self.costs, self._n
         plain_s = c.forward(n) + c.residual(PLAIN, n) + c.append(self._flushed)
         over = measured_s - plain_s
         predicted = sum(self._extra.values())
@@ -649,7 +648,6 @@ class Speculator:
             need = self._plain_rate * extra  # tokens the probe had to accept to pay
             paid = accepted > 0 and accepted >= need
             self.probes.probed(slot, paid, 0.0 if paid else need / PROBE_BUDGET)
-        self._probed = {}
 
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
@@ -689,7 +687,7 @@ class Speculator:
             if self.trace is not None and self.trace and "measured" not in self.trace[-1]:
                 self.trace[-1].update(kind=kind, predicted=predicted, measured=measured_s)
         if self._probed and timed:
-            self._judge_probes(measured_s, rows)
+            self._judge_probes(measured_s)
         self._probed = {}
         if c is not None and log is not None:
             for method, n, seconds in log:
