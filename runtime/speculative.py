@@ -70,6 +70,7 @@ import hashlib
 import heapq
 import json
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Protocol
@@ -256,12 +257,12 @@ class CostModel:
     bucket. One slow step (a first call's lazy work, a pause of the host) moves a median by nothing, where a
     mean taken from it would keep a kind that is then rarely chosen priced high for long. A kind not seen at
     a bucket is priced low, not high, so that it is chosen and measured: a plain step at no host work, the
-    others at a plain step's. `host_work` ({(kind, bucket): deque}) lets engines of the same program and
+    others at a plain step's. `host_work` ({(kind, bucket): window}) lets engines of the same program and
     settings share those windows."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2, rounds: Optional[dict[str, dict[int, float]]] = None,
-                 window: int = 9, host_work: Optional[dict[str, collections.deque]] = None):
+                 window: int = 9, host_work: Optional[dict[tuple, "_Window"]] = None):
         self.tables = {"forward": dict(forward), "draft": dict(draft), "append": dict(append)}
         for name, table in (rounds or {}).items():  # fused rounds: the whole round's time per bucket of members
             self.tables[name] = dict(table)
@@ -355,11 +356,11 @@ class CostModel:
         stands once seen."""
         b = _bucket(n)
         seen = self._errors.get((PLAIN, b))
-        plain = statistics.median(seen) if seen else 0.0
+        plain = seen.median() if seen else 0.0
         if kind == PLAIN:
             return plain
         seen = self._errors.get((kind, b))
-        own = statistics.median(seen) if seen else plain
+        own = seen.median() if seen else plain
         return max(own, plain) if kind == DRAFTING else own
 
     def record(self, kind: str, predicted: float, measured: float, n: int = 1) -> None:
@@ -367,8 +368,29 @@ class CostModel:
         `predicted`."""
         key = (kind, _bucket(n))
         if key not in self._errors:
-            self._errors[key] = collections.deque(maxlen=self.window)
+            self._errors[key] = _Window(self.window)
         self._errors[key].append(measured - predicted)
+
+
+class _Window:
+    """The last `size` values and their median, computed once per change (the choice asks for it several
+    times a step)."""
+
+    def __init__(self, size: int):
+        self._values: collections.deque = collections.deque(maxlen=size)
+        self._median: Optional[float] = None
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def append(self, value: float) -> None:
+        self._values.append(value)
+        self._median = None
+
+    def median(self) -> float:
+        if self._median is None:
+            self._median = statistics.median(self._values)
+        return self._median
 
 
 def _bucket(n: int) -> int:
@@ -467,6 +489,8 @@ class Speculator:
         self._plain_rate = 0.0  # a plain step's tokens per second, as predicted when the round was chosen
         self._draft_rows = 0  # the round's draft rows
         self._probed: dict[int, int] = {}  # slot -> drafts its probe had accepted, until the step is timed
+        self._append_host = 0.0  # host seconds of this step's context appends outside the tables' calls
+        self._released = False  # a sequence finished or was cancelled since the last timed step
         # Greedy rounds as one fused call (one CUDA graph): with the artifact's drafter only. Adaptive
         # speculation also has rounds of smaller blocks to choose from: cheaper, and more sequences fit one.
         self.rounds: list[FusedRound] = []
@@ -667,12 +691,16 @@ class Speculator:
     def step_done(self, measured_s: float, rows: int, prefill: bool = False) -> None:
         """The engine's wall time of the step just run, its forward's row count and whether prompt chunks
         were in it. Timed calls (CPU) refine the tables, and the step's time outside them is its host work;
-        without timed calls (CUDA) the host work is what the tables do not predict. Steps with prompt chunks
-        (a prompt's first step does more host work than a decode step) and steps that captured graphs (their
-        capture's time) teach no host work and judge no probe."""
+        without timed calls (CUDA) the host work is what the tables do not predict. What the choice of a
+        step does not decide is left out: the host work of context appends (rows committed earlier, appended
+        now or at a later flush whatever this step does; their calls stay in the prediction), and whole steps
+        with prompt chunks (a prompt's first step does more host work than a decode step), with graph
+        captures (their capture's time) or in which a sequence finished (its release), which teach no host
+        work and judge no probe."""
         log, c = self.runner.call_log, self.costs
         captures, self._captures = self._captures, self.runner.counters.captures
-        timed = captures == self._captures and not prefill
+        timed = captures == self._captures and not prefill and not self._released
+        measured_s -= self._append_host
         if c is not None and self._prediction is not None and timed:
             drafting, waiting = self._prediction
             kind = FUSED if self._fused_n else DRAFTING if drafting else PLAIN
@@ -695,6 +723,7 @@ class Speculator:
         if log is not None:
             log.clear()
         self._prediction, self._flushed, self._fused_n = None, 0, 0
+        self._append_host, self._released = 0.0, False
 
     # ------------------------------------------------------------------ 2. propose
 
@@ -812,6 +841,7 @@ class Speculator:
         self.acceptance.reset(slot)
         self.probes.reset(slot)
         self._probed.pop(slot, None)
+        self._released = True
 
     def _check_context(self, seqs: list) -> None:
         """An invariant before a draft: the drafter holds every committed row of each sequence."""
@@ -821,7 +851,17 @@ class Speculator:
                                    f"positions; the sequence has {s.n_cached} committed")
 
     def _append_waiting(self, slots: list[int]) -> int:
-        """Append the waiting context rows of `slots` (one gather, then `draft_append` calls); returns how many."""
+        """Append the waiting context rows of `slots` (one gather, then `draft_append` calls); returns how many.
+        Its host time outside timed calls is kept apart from the step's (`step_done`)."""
+        t0, log = time.perf_counter(), self.runner.call_log
+        logged = len(log) if log is not None else 0
+        try:
+            return self._append_rows(slots)
+        finally:
+            inside = sum(seconds for _, _, seconds in log[logged:]) if log is not None else 0.0
+            self._append_host += time.perf_counter() - t0 - inside
+
+    def _append_rows(self, slots: list[int]) -> int:
         positions, seq_slots, taken = [], [], []
         for slot in slots:
             m = self._waiting.count[slot]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -697,3 +698,29 @@ def test_context_rows_wait_for_the_next_draft_within_a_memory_bound(tiny_dflash_
     spec._flush_rows = 16  # a tighter bound: every 16 committed rows go in one append
     engine.run([Request("long", tuple(range(4, 14)), 30, ignore_eos=True)])
     assert appended == [16, 16]  # 39 rows committed: 16 + 16 appended, 7 left waiting when it ended
+
+
+def test_host_work_leaves_out_context_appends_and_finishing_steps(tiny_dflash_seq_artifact, tiny_cfg, monkeypatch):
+    """A step's host work, as the cost model learns it, is what its choice decides: the host time of appending
+    context rows committed earlier (here made 50 ms slow) is not in it, and a step in which a sequence
+    finishes (its release) teaches nothing."""
+    reqs = _requests(_prompts(tiny_cfg.vocab_size)[3:4], 16, ignore_eos=True)
+    reference = _tokens(_engine(tiny_dflash_seq_artifact, TARGET_ONLY), reqs)
+    engine = _engine(tiny_dflash_seq_artifact, proposer=Oracle({r.id: out for r, out in zip(reqs, reference)},
+                                                                vocab=tiny_cfg.vocab_size))
+    spec = engine.spec
+    append_rows = spec._append_rows
+
+    def slow_append(slots):
+        time.sleep(0.05)
+        return append_rows(slots)
+
+    monkeypatch.setattr(spec, "_append_rows", slow_append)
+    recorded, record = [], spec.costs.record
+    monkeypatch.setattr(spec.costs, "record", lambda kind, predicted, measured, n=1: (
+        recorded.append(measured - predicted), record(kind, predicted, measured, n)))
+    spec.trace = trace = []
+    assert _tokens(engine, reqs) == reference
+    assert engine.spec_stats.rounds >= 2  # the prompt's context was appended before the first draft, timed
+    assert recorded and max(recorded) < 0.05
+    assert "measured" not in trace[-1]  # the last step finished the request
