@@ -37,7 +37,10 @@ class RunConfig:
     CPU: how tests compare it), False never. cublaslt: None = on CUDA, matrix products go to cuBLASLt
     (process-wide: `torch.backends.cuda.preferred_blas_library`); cuBLAS's default choice for small fp32
     products, e.g. 16 rows x 384 -> 128 columns, runs one thread block for ~50 us where cuBLASLt takes ~4 us.
-    False leaves torch's choice alone."""
+    False leaves torch's choice alone. draft_tf32: None = on CUDA, the drafter's methods (`draft_block`,
+    `draft_append`) run their fp32 matrix products in TF32 (their graphs are captured so; the target's stay
+    fp32): drafts are proposals the target verifies, so their precision moves acceptance, never the output.
+    False keeps them fp32."""
 
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None
@@ -51,6 +54,7 @@ class RunConfig:
     reserve_kv: Optional[bool] = None
     fused_rounds: Optional[bool] = None
     cublaslt: Optional[bool] = None
+    draft_tf32: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -92,6 +96,11 @@ class RunConfig:
     def prefer_cublaslt(self) -> bool:
         """Send CUDA matrix products to cuBLASLt?"""
         return self.on_cuda if self.cublaslt is None else (self.cublaslt and self.on_cuda)
+
+    @property
+    def drafter_tf32(self) -> bool:
+        """Run the drafter's fp32 matrix products in TF32?"""
+        return self.on_cuda if self.draft_tf32 is None else (self.draft_tf32 and self.on_cuda)
 
     @property
     def padded(self) -> bool:

@@ -26,6 +26,8 @@ mg.export. See docs/ARCHITECTURE.md section 6.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 import weakref
@@ -121,6 +123,9 @@ class ModelRunner:
                 self._graphs[name] = GraphRunner(self._eager_call(name), self._device_blank(plan),
                                                  cache.storage_version, self.counters)
         self._blanks: dict[tuple[str, int], list] = {}
+        # Methods whose fp32 matrix products run in TF32 (eagerly and as captured in graphs): the drafter's.
+        self._tf32_methods = ({C.METHOD_DRAFT_BLOCK, C.METHOD_DRAFT_APPEND} if with_draft and config.drafter_tf32
+                              else set())
         self.call_log: Optional[list] = None  # a list: every call appends (method, live rows, seconds)
 
     def _reserve_caches(self) -> None:
@@ -265,9 +270,10 @@ class ModelRunner:
         """The method once, without graphs: compiled code for padded calls (every input one bucket long), else
         the interpreter."""
         compiled = self._compiled.get(method) if padded else None
-        if compiled is not None:
-            return compiled(inputs, self.ops)
-        return self.program.run(method, inputs, ops=self.ops)
+        with _tf32_matmuls(method in self._tf32_methods):
+            if compiled is not None:
+                return compiled(inputs, self.ops)
+            return self.program.run(method, inputs, ops=self.ops)
 
     @property
     def hidden_width(self) -> int:
@@ -322,6 +328,21 @@ def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, tab
     if new:
         log.info(f"mg-run: compiled {len(new)} method variants in {sum(e[3] for e in new):.1f}s")
     return {name: methods[name] for name in plans if methods[name] is not None}, compiler.stats
+
+
+@contextlib.contextmanager
+def _tf32_matmuls(on: bool):
+    """CUDA fp32 matrix products in TF32 inside the block (`RunConfig.draft_tf32`); as before after it."""
+    if not on:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
 
 
 def _prefer_cublaslt() -> None:

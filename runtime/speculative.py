@@ -188,6 +188,14 @@ class AcceptanceModel:
         self._memo[(slot, k)] = out
         return out
 
+    def expected(self, slot: int, k: int) -> float:
+        """Expected accepted drafts of `slot` in a round of k: the sum of `survival(slot, k)` (kept as long)."""
+        key = (slot, k, "sum")
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = sum(self.survival(slot, k))
+        return out
+
     def observe(self, slot: int, k: int, accepted: int) -> None:
         """A round of k >= 1 drafts accepted `accepted`: rows 1..accepted hit, row accepted+1 missed."""
         hits, trials = self._hits[slot], self._trials[slot]
@@ -570,14 +578,18 @@ class Speculator:
         c, n = self.costs, len(decode)
         plain_t = c.forward(n) + c.residual(PLAIN, n)
         rate = n / max(plain_t, 1e-9)  # a plain step's tokens per second
+        host, count, expected = c.residual(FUSED, n), self._waiting.count, self.acceptance.expected
+        slots = [s.slot for s in decode]
         top, options = None, []  # top: (tokens per second, round, drafts, seconds) of the best round
         for fr in rounds:
-            ks = [min(fr.block - 1, k) for k in limits]
-            if not any(ks) or sum(ks) > rows_left:
+            most = fr.block - 1
+            ks = [k if k < most else most for k in limits]
+            drafts = sum(ks)
+            if not drafts or drafts > rows_left:
                 continue
-            waiting = sum(self._waiting.count[s.slot] for s, k in zip(decode, ks) if k)
-            t = c.round(fr.name, n) + c.append(waiting) + c.residual(FUSED, n)
-            tokens = n + sum(sum(self.acceptance.survival(s.slot, k)) for s, k in zip(decode, ks) if k)
+            members = [(slot, k) for slot, k in zip(slots, ks) if k]
+            t = c.round(fr.name, n) + c.append(sum(count[slot] for slot, _ in members)) + host
+            tokens = n + sum(expected(slot, k) for slot, k in members)
             options.append([fr.block, tokens, t])
             if top is None or tokens / t > top[0]:
                 top = (tokens / t, fr, ks, t)
@@ -676,7 +688,7 @@ class Speculator:
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
         key = (_program_key(r), str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None),
-               cfg.prefer_cublaslt, tuple(fr.block for fr in self.rounds))
+               cfg.prefer_cublaslt, cfg.drafter_tf32, tuple(fr.block for fr in self.rounds))
         if key not in _COST_TABLES:
             tables = _load_tables(key, r.device)
             if tables is None or len(tables) != 3 + len(self.rounds):
@@ -930,8 +942,13 @@ class WaitingRows:
             base = self._base(slot)
             dst += range(base + at, base + at + m)
             self.count[slot] = at + m
+        n, lo = len(src), src[0]
+        if src[-1] - lo == n - 1 and src == list(range(lo, lo + n)):  # consecutive rows (a plain step's): no gather
+            self._buf.index_copy_(0, to_device(torch.tensor(dst, dtype=torch.long), self._buf.device),
+                                  hidden.narrow(0, lo, n))
+            return
         index = to_device(torch.tensor(src + dst, dtype=torch.long), self._buf.device)
-        self._buf.index_copy_(0, index[len(src):], hidden.index_select(0, index[:len(src)]))
+        self._buf.index_copy_(0, index[n:], hidden.index_select(0, index[:n]))
 
     def at_least(self, n: int) -> list[int]:
         """Slots with at least n rows waiting (only slots holding a region can have any)."""

@@ -724,3 +724,30 @@ def test_host_work_leaves_out_context_appends_and_finishing_steps(tiny_dflash_se
     assert engine.spec_stats.rounds >= 2  # the prompt's context was appended before the first draft, timed
     assert recorded and max(recorded) < 0.05
     assert "measured" not in trace[-1]  # the last step finished the request
+
+
+def test_drafter_methods_run_with_tf32_matmuls_and_the_target_in_fp32(tiny_dflash_seq_artifact, tiny_cfg, monkeypatch):
+    """RunConfig.draft_tf32 (on by default on CUDA): the drafter's methods, and only they, run with CUDA fp32
+    matrix products in TF32 (the setting is process state, so this holds on CPU too); the setting is as before
+    after each call, and the output is the target's."""
+    assert RunConfig(device="cuda").drafter_tf32 and not RunConfig(device="cuda", draft_tf32=False).drafter_tf32
+    assert not RunConfig().drafter_tf32  # CPU: nothing to do
+    reqs = _requests(_prompts(tiny_cfg.vocab_size)[2:4], 12, ignore_eos=True)
+    reference = _tokens(_engine(tiny_dflash_seq_artifact, TARGET_ONLY), reqs)
+    for fused in (False, True):
+        engine = _engine(tiny_dflash_seq_artifact, RunConfig(speculation="fixed", fused_rounds=fused))
+        runner = engine.runner
+        runner._tf32_methods = {C.METHOD_DRAFT_BLOCK, C.METHOD_DRAFT_APPEND}  # what draft_tf32 sets on CUDA
+        seen, run = {}, runner.program.run
+
+        def recording(method, inputs, ops=None):
+            seen.setdefault(method, set()).add(torch.backends.cuda.matmul.fp32_precision)
+            return run(method, inputs, ops=ops)
+
+        monkeypatch.setattr(runner.program, "run", recording)
+        before = torch.backends.cuda.matmul.fp32_precision
+        assert _tokens(engine, reqs) == reference
+        assert seen[C.METHOD_DRAFT_BLOCK] == seen[C.METHOD_DRAFT_APPEND] == {"tf32"}
+        assert seen[C.METHOD_FORWARD] == {before} != {"tf32"}
+        assert torch.backends.cuda.matmul.fp32_precision == before
+        monkeypatch.undo()
