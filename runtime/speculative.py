@@ -265,12 +265,12 @@ class CostModel:
     bucket. One slow step (a first call's lazy work, a pause of the host) moves a median by nothing, where a
     mean taken from it would keep a kind that is then rarely chosen priced high for long. A kind not seen at
     a bucket is priced low, not high, so that it is chosen and measured: a plain step at no host work, the
-    others at a plain step's. `host_work` ({(kind, bucket): window}) lets engines of the same program and
+    others at a plain step's; so is one seen fewer than `min_samples` times there, at most. `host_work` ({(kind, bucket): window}) lets engines of the same program and
     settings share those windows."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2, rounds: Optional[dict[str, dict[int, float]]] = None,
-                 window: int = 9, host_work: Optional[dict[tuple, "_Window"]] = None):
+                 window: int = 9, host_work: Optional[dict[tuple, "_Window"]] = None, min_samples: int = 3):
         self.tables = {"forward": dict(forward), "draft": dict(draft), "append": dict(append)}
         for name, table in (rounds or {}).items():  # fused rounds: the whole round's time per bucket of members
             self.tables[name] = dict(table)
@@ -281,7 +281,7 @@ class CostModel:
         self.padded = padded
         self.smoothing = smoothing
         self._errors = host_work if host_work is not None else {}
-        self.window = window
+        self.window, self.min_samples = window, min_samples
         self._monotone: dict[str, dict[int, float]] = {}
         self._known: dict[str, dict[int, float]] = {}  # n -> _predict(name, n) for the tables as they are
         for name in self.tables:
@@ -363,13 +363,19 @@ class CostModel:
         never taken below the plain one. A fused round replaces the plain step's calls, so its own residual
         stands once seen."""
         b = _bucket(n)
-        seen = self._errors.get((PLAIN, b))
-        plain = seen.median() if seen else 0.0
+        plain = self._median((PLAIN, b), 0.0)
         if kind == PLAIN:
             return plain
-        seen = self._errors.get((kind, b))
-        own = seen.median() if seen else plain
+        own = self._median((kind, b), plain)
         return max(own, plain) if kind == DRAFTING else own
+
+    def _median(self, key: tuple, unseen: float) -> float:
+        """The window's median; until it holds `min_samples` steps, no more than the unseen price (the first
+        steps of a kind carry lazy work, and a kind priced high by them might never be chosen again)."""
+        seen = self._errors.get(key)
+        if not seen:
+            return unseen
+        return seen.median() if len(seen) >= self.min_samples else min(seen.median(), unseen)
 
     def record(self, kind: str, predicted: float, measured: float, n: int = 1) -> None:
         """A whole step of `kind` and n decoding sequences took `measured` seconds where the tables predicted
@@ -900,6 +906,7 @@ class WaitingRows:
     8, never beyond `n_slots`), so its memory follows the sequences served at once, not the slots declared."""
 
     START_REGIONS = 8
+    COPY_OWNERS = 2  # a step's commits of at most this many sequences go as one copy each (else one scatter)
 
     def __init__(self, n_slots: int, rows: int, width: int, dtype: torch.dtype, device: torch.device):
         self.rows, self.n_slots = rows, n_slots
@@ -936,6 +943,20 @@ class WaitingRows:
             if self.count[slot] + m > self.rows:
                 raise RuntimeError(f"slot {slot} has {self.count[slot]} context rows waiting and commits {m}; its "
                                    f"buffer holds {self.rows}")
+        if len(owners) <= self.COPY_OWNERS:  # few owners (a lone sequence's step): a copy each, no index to send
+            i = 0
+            for slot, m in owners:
+                if src[i + m - 1] - src[i] != m - 1:  # its rows are not consecutive: gather them below
+                    break
+                i += m
+            else:
+                i = 0
+                for slot, m in owners:
+                    at, base = self.count[slot], self._base(slot)
+                    self._buf.narrow(0, base + at, m).copy_(hidden.narrow(0, src[i], m))
+                    self.count[slot] = at + m
+                    i += m
+                return
         dst = []
         for slot, m in owners:
             at = self.count[slot]

@@ -450,16 +450,24 @@ def test_cost_model_interpolates_and_corrects_online():
 
 
 def test_host_work_is_the_median_of_recent_steps_per_kind_and_batch():
-    costs = CostModel({1: 1.0}, {1: 0.5}, {1: 0.1}, padded=False, window=5)
+    costs = CostModel({1: 1.0}, {1: 0.5}, {1: 0.1}, padded=False, window=5, min_samples=3)
     assert costs.residual(PLAIN) == costs.residual(DRAFTING) == costs.residual(FUSED) == 0.0  # unseen: priced low
+    costs.record(PLAIN, predicted=1.0, measured=1.9)  # a kind's first steps (lazy work) price it no higher
+    costs.record(PLAIN, predicted=1.0, measured=1.5)
+    assert costs.residual(PLAIN) == 0.0
     costs.record(PLAIN, predicted=1.0, measured=1.5)
     assert costs.residual(PLAIN) == costs.residual(DRAFTING) == costs.residual(FUSED) == 0.5  # unseen: plain's
-    costs.record(DRAFTING, predicted=1.0, measured=3.0)
+    for _ in range(3):
+        costs.record(DRAFTING, predicted=1.0, measured=3.0)
     assert costs.residual(DRAFTING) == 2.0
-    costs.record(FUSED, predicted=1.0, measured=1.1)  # a fused round's own host work stands, below a plain step's
+    for _ in range(2):  # fewer than min_samples: no more than the unseen price (a plain step's)
+        costs.record(FUSED, predicted=1.0, measured=2.0)
+    assert costs.residual(FUSED) == 0.5
+    for _ in range(3):  # a fused round's own host work stands, below a plain step's
+        costs.record(FUSED, predicted=1.0, measured=1.1)
     assert costs.residual(FUSED) == pytest.approx(0.1) and costs.residual(PLAIN) == 0.5
-    costs.record(DRAFTING, predicted=1.0, measured=1.0)
-    costs.record(DRAFTING, predicted=1.0, measured=1.0)
+    for _ in range(3):
+        costs.record(DRAFTING, predicted=1.0, measured=1.0)
     assert costs.residual(DRAFTING) == 0.5  # median 0.0, never below the plain step's
     for measured in (1.2, 1.2, 9.0, 1.2):  # one slow step among them moves nothing
         costs.record(FUSED, predicted=1.0, measured=measured)
@@ -468,7 +476,8 @@ def test_host_work_is_the_median_of_recent_steps_per_kind_and_batch():
         costs.record(FUSED, predicted=1.0, measured=2.0)
     assert costs.residual(FUSED) == pytest.approx(1.0)
     # Steps of 20 sequences do more host work; they teach steps of 17-32 sequences, not of one.
-    costs.record(PLAIN, predicted=1.0, measured=4.0, n=20)
+    for _ in range(3):
+        costs.record(PLAIN, predicted=1.0, measured=4.0, n=20)
     assert costs.residual(PLAIN, 20) == costs.residual(PLAIN, 32) == 3.0 and costs.residual(PLAIN, 16) == 0.0
     assert costs.residual(PLAIN, 1) == 0.5 and costs.residual(FUSED, 20) == 3.0
 
@@ -585,8 +594,8 @@ def test_cost_tables_are_measured_again_by_newer_code(monkeypatch):
 
 
 def test_waiting_rows_keep_each_slots_rows_in_order_through_growth_and_release():
-    """The device buffer of waiting context rows against a plain per-slot list: random commits of several
-    slots per step, appends of some slots, releases; the buffer grows past its first regions and reuses freed
+    """The device buffer of waiting context rows against a plain per-slot list: random commits of one to all
+    slots per step, their rows consecutive or apart in the step's output, appends of some slots, releases; the buffer grows past its first regions and reuses freed
     ones, and never holds more regions than slots."""
     from mg.runtime.speculative import WaitingRows
 
@@ -605,6 +614,8 @@ def test_waiting_rows_keep_each_slots_rows_in_order_through_growth_and_release()
                 continue
             owners.append((slot, m))
             for _ in range(m):
+                if step % 2:  # rows apart in the step's output (a gather); else consecutive (copies or one scatter)
+                    hidden_rows.append([-2, -2, -2])
                 src.append(len(hidden_rows))
                 hidden_rows.append([counter, slot, step])
                 want[slot].append([counter, slot, step])
@@ -635,7 +646,8 @@ def test_engines_on_one_program_share_what_the_drafter_achieves(tiny_dflash_seq_
     art = load_artifact(tiny_dflash_seq_artifact)
     first = Engine(art, RunConfig())
     _observe(first.spec.acceptance, 0, 7, 7, 10)
-    first.spec.costs.record(PLAIN, predicted=1e-3, measured=3e-3)
+    for _ in range(3):
+        first.spec.costs.record(PLAIN, predicted=1e-3, measured=3e-3)
     second = Engine(art, RunConfig())
     assert second.spec.acceptance.global_rates() == first.spec.acceptance.global_rates()
     assert min(second.spec.acceptance.global_rates()) > 0.6  # above the prior
