@@ -166,6 +166,7 @@ class AcceptanceModel:
             global_counts = ([0.0] * k_max, [0.0] * k_max)
         self._g_hits, self._g_trials = global_counts
         self._memo: dict = {}  # (slot, k) -> survival, and None -> global rates; cleared by any observation
+        self.version = 0  # counts the changes of the estimates (observations, resets)
 
     def global_rates(self) -> list[float]:
         g = self._memo.get(None)
@@ -200,6 +201,7 @@ class AcceptanceModel:
         """A round of k >= 1 drafts accepted `accepted`: rows 1..accepted hit, row accepted+1 missed."""
         hits, trials = self._hits[slot], self._trials[slot]
         self._memo.clear()
+        self.version += 1
         for j in range(min(accepted + 1, k)):
             hit = 1.0 if j < accepted else 0.0
             hits[j] = hits[j] * self.decay + hit
@@ -209,6 +211,7 @@ class AcceptanceModel:
 
     def reset(self, slot: int) -> None:
         self._memo.clear()
+        self.version += 1
         self._hits[slot] = [0.0] * self.k_max
         self._trials[slot] = [0.0] * self.k_max
 
@@ -412,6 +415,7 @@ def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+KEEP_MARGIN, KEEP_STEPS = 0.9, 7  # a plain step chosen with a round 10% worse or more is kept for 7 more steps
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
 WAITING_BYTES = 256 << 20  # committed hidden rows waiting for the drafter, all slots together, at most about this
 
@@ -513,6 +517,7 @@ class Speculator:
             self.rounds = [r for r in (FusedRound(runner, b) for b in blocks) if r.limit >= 1]
         self.fused = next((r for r in self.rounds if r.block == block), None)  # the full block's rounds
         self._round_now: Optional[FusedRound] = None  # this step's fused round, if anyone drafts (as chosen)
+        self._kept: Optional[tuple] = None  # a plain step chosen with a margin, kept for the next steps (_choose_round)
         self._fused_n = 0  # members of the fused round run this step (0: none)
         self._n = 0
         self._captures = runner.counters.captures  # graph captures inside a step: its time is not the step's
@@ -582,10 +587,12 @@ class Speculator:
         plain step wins and a sequence's probe is due (`ProbeSchedule`, its cost a member's share of the
         round over the plain step), the round with the best rate runs anyway."""
         c, n = self.costs, len(decode)
+        slots = [s.slot for s in decode]
+        if self._keep_plain(slots):
+            return [0] * n
         plain_t = c.forward(n) + c.residual(PLAIN, n)
         rate = n / max(plain_t, 1e-9)  # a plain step's tokens per second
         host, count, expected = c.residual(FUSED, n), self._waiting.count, self.acceptance.expected
-        slots = [s.slot for s in decode]
         top, options = None, []  # top: (tokens per second, round, drafts, seconds) of the best round
         for fr in rounds:
             most = fr.block - 1
@@ -608,8 +615,11 @@ class Speculator:
         chosen = [s.slot for s, k in zip(decode, ks) if k]
         share = max(t - plain_t, 0.0) / len(chosen)  # each drafting member's seconds on top of a plain step
         if best_rate <= rate:  # a plain step pays better; due probes still ride the round
-            self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=rate * share / PROBE_BUDGET)}
+            floor = rate * share / PROBE_BUDGET
+            self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=floor)}
             if not self._probing:
+                if best_rate <= KEEP_MARGIN * rate:
+                    self._kept = (slots, self.acceptance, self.acceptance.version, c, floor, KEEP_STEPS)
                 return [0] * n
         self._round_now = fr
         if self.trace is not None:
@@ -618,6 +628,23 @@ class Speculator:
         self._extra = {slot: share for slot in chosen}
         self._plain_rate, self._draft_rows = rate, sum(ks)
         return ks
+
+    def _keep_plain(self, slots: list[int]) -> bool:
+        """Is this step a plain step because the last one was chosen so, with a margin, a few steps ago, for
+        the same sequences, with estimates and cost model unchanged and no probe due since? Pricing every
+        round again costs tens of microseconds of host time per step, a tenth of a plain step on a GPU."""
+        kept, self._kept = self._kept, None
+        if kept is None:
+            return False
+        kept_slots, acceptance, version, costs, floor, left = kept
+        if (left <= 0 or kept_slots != slots or acceptance is not self.acceptance or version != acceptance.version
+                or costs is not self.costs or any(self.probes.due(slot, 1.0, floor=floor) for slot in slots)):
+            return False
+        self._kept = (kept_slots, acceptance, version, costs, floor, left - 1)
+        self._prediction = (0, 0)
+        if self.trace is not None:
+            self.trace.append({"n": len(slots), "chose": 0, "kept": True})
+        return True
 
     def _best_drafts(self, decode: list, limits: list[int], rows_left: int) -> list[int]:
         """The draft rows with the most expected committed tokens per second (module docstring)."""

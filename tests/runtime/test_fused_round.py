@@ -17,7 +17,7 @@ from mg.runtime.engine import Engine
 from mg.runtime.fused_round import FusedRound, Member
 from mg.runtime.sampling import SamplingParams
 from mg.runtime.scheduler import Request, Sequence
-from mg.runtime.speculative import CostModel
+from mg.runtime.speculative import KEEP_STEPS, CostModel
 
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 TARGET_ONLY = RunConfig(dflash=False)
@@ -341,6 +341,33 @@ def test_adaptive_chooses_the_round_block_with_the_most_tokens_per_second(tiny_d
             spec.observe(s, 0, 0)
         steps += 1
     assert 19 <= steps <= 21 and spec._round_now.block == 8 and spec._probing == {0, 1, 2}
+
+
+def test_a_plain_step_chosen_with_a_margin_is_kept_for_a_few_steps(tiny_dflash_cell_artifact):
+    """Pricing every round again each step costs host time: a plain step chosen with every round 10% worse or
+    more is kept for KEEP_STEPS more steps, unless the sequences, the estimates or the cost model change or a
+    probe falls due."""
+    engine = Engine(load_artifact(tiny_dflash_cell_artifact), RunConfig(fused_rounds=True))
+    spec = engine.spec
+    seqs = [_seq(i) for i in range(3)]
+    for slot in range(3):  # the drafter is always wrong
+        for _ in range(20):
+            spec.acceptance.observe(slot, 7, 0)
+    spec.costs = _round_costs(engine, 1e-3, {8: 9e-3, 4: 5e-3})
+    priced, round_cost = [], spec.costs.round
+    spec.costs.round = lambda name, n: (priced.append(name), round_cost(name, n))[1]
+    assert all(spec.choose(seqs, 21) == [0, 0, 0] for _ in range(KEEP_STEPS + 2))
+    assert len(priced) == 2 * len(spec.rounds)  # the first step and the one after KEEP_STEPS kept ones
+    priced.clear()
+    assert spec.choose(seqs, 21) == [0, 0, 0] and not priced  # kept
+    spec.acceptance.observe(0, 7, 0)
+    assert spec.choose(seqs, 21) == [0, 0, 0] and priced  # an observation: priced again
+    priced.clear()
+    assert spec.choose(seqs[:2], 21) == [0, 0] and priced  # other sequences: priced again
+    priced.clear()
+    spec.costs = _round_costs(engine, 1e-3, {8: 2e-3, 4: 1.5e-3})  # rounds got cheap (another cost model)
+    spec.acceptance = type(spec.acceptance)(spec.runner.cache.n_slots, spec.block - 1)  # and the prior: 0.6
+    assert spec.choose(seqs[:2], 21) in ([7, 7], [3, 3]) and spec._round_now is not None
 
 
 def test_adaptive_fused_rounds_of_smaller_blocks_serve_more_sequences(tiny_dflash_cell_artifact, tiny_cfg):
