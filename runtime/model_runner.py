@@ -27,7 +27,6 @@ mg.export. See docs/ARCHITECTURE.md section 6.
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import time
 import weakref

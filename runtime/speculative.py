@@ -268,8 +268,8 @@ class CostModel:
     bucket. One slow step (a first call's lazy work, a pause of the host) moves a median by nothing, where a
     mean taken from it would keep a kind that is then rarely chosen priced high for long. A kind not seen at
     a bucket is priced low, not high, so that it is chosen and measured: a plain step at no host work, the
-    others at a plain step's; so is one seen fewer than `min_samples` times there, at most. `host_work` ({(kind, bucket): window}) lets engines of the same program and
-    settings share those windows."""
+    others at a plain step's; so is one seen fewer than `min_samples` times there, at most. `host_work`
+    ({(kind, bucket): window}) lets engines of the same program and settings share those windows."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2, rounds: Optional[dict[str, dict[int, float]]] = None,
@@ -973,7 +973,7 @@ class WaitingRows:
         if len(owners) <= self.COPY_OWNERS:  # few owners (a lone sequence's step): a copy each, no index to send
             i = 0
             for slot, m in owners:
-                if src[i + m - 1] - src[i] != m - 1:  # its rows are not consecutive: gather them below
+                if src[i:i + m] != list(range(src[i], src[i] + m)):  # its rows are not consecutive: gather them
                     break
                 i += m
             else:
