@@ -331,17 +331,22 @@ def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, tab
 
 @contextlib.contextmanager
 def _tf32_matmuls(on: bool):
-    """CUDA fp32 matrix products in TF32 inside the block (`RunConfig.draft_tf32`); as before after it."""
+    """CUDA fp32 matrix products in TF32 inside the block (`RunConfig.draft_tf32`); as before after it. Set
+    through the older `allow_tf32` flag, which leaves every reader of either precision API working inside the
+    block; a process that set the newer `fp32_precision` (torch then refuses the older flag) gets that one."""
     if not on:
         yield
         return
     matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
-    matmul.fp32_precision = "tf32"
+    try:
+        name, before, value = "allow_tf32", matmul.allow_tf32, True
+    except RuntimeError:  # the process uses the newer API: torch refuses mixing the two
+        name, before, value = "fp32_precision", matmul.fp32_precision, "tf32"
+    setattr(matmul, name, value)
     try:
         yield
     finally:
-        matmul.fp32_precision = before
+        setattr(matmul, name, before)
 
 
 def _prefer_cublaslt() -> None:

@@ -10,7 +10,8 @@ The engine asks, each step, for:
      round's accepted count) and `commit` (hidden rows of committed positions).
 
 Draft context is appended lazily: committed hidden rows wait per sequence
-in one device buffer (a step's commits are one scatter into it), and enter
+in one device buffer (a step's commits are one scatter into it, or a copy
+per sequence for one or two), and enter
 the draft cache (one gather, then `draft_append` for all sequences that need it)
 just before that sequence's next draft, or once a sequence has `flush_rows`
 waiting (one to four `draft_append` calls' worth, within WAITING_BYTES). A stretch of k = 0 rounds therefore
@@ -53,8 +54,11 @@ per block and bucket; every member of a round drafts all it may.
 Host work per step is learnt apart for plain steps, steps with separate draft
 calls and fused rounds, and per power-of-two bucket of decoding sequences, as
 the median of the last few such steps, so one slow step (a first call's lazy
-work) cannot price a kind out for long; steps with prompt chunks or CUDA graph
-captures are not timed.
+work) cannot price a kind out for long, and no higher than an unseen kind's
+until three were timed. A step's time leaves out the host time of context
+appends (rows committed earlier); steps with prompt chunks, CUDA graph
+captures or a sequence that finished are not timed. A plain step chosen with
+a margin is kept for a few steps without pricing the rounds again.
 
 Knows the model runner, the scheduler's records and the run config; nothing
 of sampling math (`spec_accept.py`) or mg.export. See docs/ARCHITECTURE.md
@@ -630,9 +634,12 @@ class Speculator:
         return ks
 
     def _keep_plain(self, slots: list[int]) -> bool:
-        """Is this step a plain step because the last one was chosen so, with a margin, a few steps ago, for
-        the same sequences, with estimates and cost model unchanged and no probe due since? Pricing every
-        round again costs tens of microseconds of host time per step, a tenth of a plain step on a GPU."""
+        """Is this step a plain step because one was chosen, with a margin, at most KEEP_STEPS steps ago, for
+        the same sequences, with no observation since in this engine's estimates, the same cost model object
+        and no probe due (by the floor its choice computed)? Within those few steps the cost tables and host-work
+        windows may move (they are refined in place and shared by engines), as may the global acceptance
+        others observe: the margin covers that. Pricing every round again costs tens of microseconds of host
+        time per step, a tenth of a plain step on a GPU."""
         kept, self._kept = self._kept, None
         if kept is None:
             return False
@@ -897,7 +904,10 @@ class Speculator:
 
     def _append_waiting(self, slots: list[int]) -> int:
         """Append the waiting context rows of `slots` (one gather, then `draft_append` calls); returns how many.
-        Its host time outside timed calls is kept apart from the step's (`step_done`)."""
+        Its host time is kept apart from the step's (`step_done`): on CPU outside the timed calls (whose times
+        are the prediction's), on CUDA all of it (the calls' blank-input table times stay in the prediction,
+        so such a step's host work is learnt low by about their host share; an append of rows on the cell
+        layout costs far more host time than the blank call of the table, and that is what is left out)."""
         t0, log = time.perf_counter(), self.runner.call_log
         logged = len(log) if log is not None else 0
         try:
@@ -927,7 +937,8 @@ class Speculator:
 class WaitingRows:
     """Committed hidden rows waiting to enter the draft cache, in one device buffer of regions of `rows` rows
     (a live slot's waiting rows at the start of its region, in position order), so a step's commits are one
-    scatter and an append's rows one gather, however many sequences take part. `rows` must cover what a slot
+    scatter (one copy per sequence for one or two sequences: no index to send) and an append's rows one
+    gather, however many sequences take part. `rows` must cover what a slot
     can hold between appends: the flush threshold plus one step's writes. Regions go to slots as they first
     commit and come back when they are released; the buffer doubles when every region is taken (starting at
     8, never beyond `n_slots`), so its memory follows the sequences served at once, not the slots declared."""

@@ -365,7 +365,12 @@ def test_a_plain_step_chosen_with_a_margin_is_kept_for_a_few_steps(tiny_dflash_c
     priced.clear()
     assert spec.choose(seqs[:2], 21) == [0, 0] and priced  # other sequences: priced again
     priced.clear()
-    spec.costs = _round_costs(engine, 1e-3, {8: 2e-3, 4: 1.5e-3})  # rounds got cheap (another cost model)
+    assert spec.choose(seqs[:2], 21) == [0, 0] and not priced  # kept
+    costs = spec.costs = _round_costs(engine, 1e-3, {8: 9e-3, 4: 5e-3})  # another cost model: priced again
+    spec.costs.round = lambda name, n: (priced.append(name), costs.__class__.round(costs, name, n))[1]
+    priced.clear()
+    assert spec.choose(seqs[:2], 21) == [0, 0] and priced
+    spec.costs = _round_costs(engine, 1e-3, {8: 2e-3, 4: 1.5e-3})  # rounds got cheap
     spec.acceptance = type(spec.acceptance)(spec.runner.cache.n_slots, spec.block - 1)  # and the prior: 0.6
     assert spec.choose(seqs[:2], 21) in ([7, 7], [3, 3]) and spec._round_now is not None
 
