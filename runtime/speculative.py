@@ -526,8 +526,9 @@ class Speculator:
         self._n = 0
         self._captures = runner.counters.captures  # graph captures inside a step: its time is not the step's
         # A list to have adaptive speculation's choices logged, one dict per step (scripts: why it drafted or
-        # not): sequences, the plain step's predicted seconds and each option's expected tokens and seconds,
-        # then the step's kind and measured seconds.
+        # not): sequences, the plain step's predicted seconds and each option's expected tokens and seconds
+        # ("kept": True instead when a kept plain step was not priced again), then the step's kind and
+        # measured seconds.
         self.trace: Optional[list] = None
         if self.adaptive:
             self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
