@@ -509,7 +509,6 @@ class Speculator:
         self._flushed = 0  # context rows appended this step without a draft (a full call's worth waited)
         self._extra: dict[int, float] = {}  # drafting slot -> predicted seconds on top of a plain step
         self._plain_rate = 0.0  # a plain step's tokens per second, as predicted when the round was chosen
-        self._draft_rows = 0  # the round's draft rows
         self._probed: dict[int, int] = {}  # slot -> drafts its probe had accepted, until the step is timed
         self._append_host = 0.0  # host seconds of this step's context appends outside the tables' calls
         self._released = False  # a sequence finished or was cancelled since the last timed step
@@ -580,7 +579,7 @@ class Speculator:
         if chosen:  # each drafting sequence's predicted seconds on top of a plain step: verify rows, draft share
             rows, share = n + sum(ks), c.draft(len(chosen)) / len(chosen)
             self._extra = {decode[i].slot: c.forward(rows) - c.forward(rows - ks[i]) + share for i in chosen}
-            self._plain_rate, self._draft_rows = rate, sum(ks)
+            self._plain_rate = rate
         if self.trace is not None:
             self.trace.append({"n": n, "unfused_drafts": sum(ks)})
         return ks
@@ -631,7 +630,7 @@ class Speculator:
             self.trace[-1].update(chose=fr.block, probe=bool(self._probing))
         self._prediction = (len(chosen), sum(self._waiting.count[slot] for slot in chosen))
         self._extra = {slot: share for slot in chosen}
-        self._plain_rate, self._draft_rows = rate, sum(ks)
+        self._plain_rate = rate
         return ks
 
     def _keep_plain(self, slots: list[int]) -> bool:
