@@ -14,7 +14,9 @@ in x's dtype), unless the calling thread serves `mg::` ops with a table that nam
 the runtime binds the fast kernels that way. `kernels(cpu)` are torch's packed CPU kernels
 (`_weight_int8pack_mm`, and `_weight_int4pack_mm_for_cpu` on a layout built once per weight at first use),
 computing in bfloat16 (the only activation dtype they are fast with) and returning x's dtype; `kernels(cuda)`
-are the Triton kernels of `triton_quant.py` (equal to the references up to rounding).
+are the Triton kernels of `triton_quant.py`, and on request (`int4_tensor_cores`) torch's tensor-core int4 kernel
+(`_weight_int4pack_mm`, on a layout built once per weight at first use) for bfloat16 int4 calls of up to
+`TINYGEMM_MAX_ROWS` rows (all equal to the references up to rounding).
 Knows nothing about models, ExecuTorch or the runtime.
 """
 
@@ -177,6 +179,57 @@ def _int4_cpu(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, zero
 # ------------------------------------------------------------------ CUDA kernels
 
 
+# With `int4_tensor_cores`, bfloat16 int4 calls of at most this many rows go to torch's tensor-core int4 kernel
+# (`_weight_int4pack_mm`, "tinygemm"). On the H200 (one MG-30B layer's linears, scripts/bench_quant.py) it takes 0.54x the bf16 time
+# at one row where the Triton kernel takes 0.89x, still wins at 4 rows, and loses from 8 (its time grows with
+# the rows); longer calls go to the Triton kernel (up to `triton_quant.MAX_ROWS`) or the reference.
+TINYGEMM_MAX_ROWS = 4
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+
+
+@functools.cache
+def _tensor_cores(index: int) -> bool:
+    """The tensor-core int4 kernel needs compute capability 8.0 (Ampere) or newer."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def _tinygemm_serves(x: torch.Tensor, weight_q: torch.Tensor, group_size: int) -> bool:
+    """Whether `_int4_tinygemm` takes this call: bfloat16 activations (the kernel's only dtype; float32 and
+    float16 callers keep the Triton kernel's numerics), a group size it knows, N a multiple of its 8-column
+    tiles, at most `TINYGEMM_MAX_ROWS` rows, and a layout already built or buildable (not while a CUDA graph
+    captures: the conversion would be captured and rerun at every replay; the runtime's warm-up runs first)."""
+    return (x.dtype == torch.bfloat16 and group_size in TINYGEMM_GROUPS and weight_q.shape[0] % 8 == 0
+            and x.numel() // x.shape[-1] <= TINYGEMM_MAX_ROWS and _tensor_cores(x.device.index or 0)
+            and (hasattr(weight_q, "_mg_int4_cuda") or not torch.cuda.is_current_stream_capturing()))
+
+
+def _int4_cuda_layout(weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """The tensor-core layout of `_weight_int4pack_mm` and its bfloat16 scales/zeros [K/G, N, 2], built once per
+    weight on its device and kept on the weight tensor (as many bytes again as `weight_q`, plus the scales).
+    That kernel reads column 2j from the high nibble (the stored layout has it in the low one) and dequantizes
+    as (q - 8) * s + z in bfloat16, so z = zero + 8 * scale."""
+    cached = getattr(weight_q, "_mg_int4_cuda", None)
+    if cached is None:
+        k = 2 * weight_q.shape[1]
+        inner_k_tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+        swapped = ((weight_q & 0xF) << 4) | (weight_q >> 4)
+        packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
+        sz = torch.stack((scale.float().t(), (zero.float() + 8 * scale.float()).t()), dim=-1)
+        cached = (packed, sz.to(torch.bfloat16).contiguous())
+        weight_q._mg_int4_cuda = cached
+    return cached
+
+
+def _int4_tinygemm(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+    """`linear_int4_ref` for bfloat16 x by torch's tensor-core int4 kernel. Each output sums its row's products
+    in an order fixed by K alone, so a row's result does not depend on the rows batched with it."""
+    packed, sz = _int4_cuda_layout(weight_q, scale, zero)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, sz)
+    return y.reshape(*x.shape[:-1], weight_q.shape[0])
+
+
 def _cuda(triton_fn: Callable, ref: Callable) -> Callable:
     """The Triton kernel for calls of at most `triton_quant.MAX_ROWS` rows (decode, verify, short chunks: the
     weight is read once, quantized); longer prefill chunks dequantize once and run one matmul, whose cost the
@@ -191,10 +244,23 @@ def _cuda(triton_fn: Callable, ref: Callable) -> Callable:
     return run
 
 
-def kernels(device: torch.device) -> dict[str, Callable]:
+def _int4_cuda(triton_int4: Callable) -> Callable:
+    """int4 on CUDA: the tensor-core kernel where `_tinygemm_serves`, the Triton path otherwise."""
+
+    def run(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int):
+        if _tinygemm_serves(x, weight_q, group_size):
+            return _int4_tinygemm(x, weight_q, scale, zero, group_size)
+        return triton_int4(x, weight_q, scale, zero, group_size)
+
+    return run
+
+
+def kernels(device: torch.device, int4_tensor_cores: bool = False) -> dict[str, Callable]:
     """The quantized linears' implementations for `device`, by qualified name: torch's packed kernels on CPU;
     on CUDA the Triton kernels of `triton_quant` (the references where Triton cannot run, said once in the
-    log); elsewhere the references."""
+    log), and with `int4_tensor_cores` torch's tensor-core int4 kernel for short bfloat16 int4 calls
+    (`_tinygemm_serves`; `RunConfig.int4_tensor_cores` says what that costs in exactness); elsewhere the
+    references."""
     names = op_names()
     if device.type == "cpu":
         return dict(zip(names, (_int8_cpu, _int4_cpu)))
@@ -202,9 +268,12 @@ def kernels(device: torch.device) -> dict[str, Callable]:
         from . import triton_quant
 
         if triton_quant.available():
-            return dict(zip(names, (_cuda(triton_quant.linear_int8_triton, linear_int8_ref),
-                                    _cuda(triton_quant.linear_int4_triton, linear_int4_ref))))
-        _say_no_triton(triton_quant.reason)
+            int8, int4 = (_cuda(triton_quant.linear_int8_triton, linear_int8_ref),
+                          _cuda(triton_quant.linear_int4_triton, linear_int4_ref))
+        else:
+            _say_no_triton(triton_quant.reason)
+            int8, int4 = linear_int8_ref, linear_int4_ref
+        return dict(zip(names, (int8, _int4_cuda(int4) if int4_tensor_cores else int4)))
     return dict(zip(names, (linear_int8_ref, linear_int4_ref)))
 
 

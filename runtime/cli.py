@@ -77,6 +77,10 @@ _ENGINE_OPTIONS = [
     click.option("--fused-rounds/--no-fused-rounds", default=None,
                  help="Run a greedy DFlash round (draft, verify, acceptance, draft context) as one call: one CUDA "
                       "graph per round [default: on with CUDA graphs; --fused-rounds runs it eagerly elsewhere]."),
+    click.option("--int4-tensor-cores", is_flag=True,
+                 help="With --device cuda and a bfloat16 int4 artifact: decode steps of 1-4 sequences run the "
+                      "quantized linears on torch's tensor-core int4 kernel (faster), at the cost of exactness: "
+                      "greedy DFlash then equals target-only, and batched equals alone, only up to rounding."),
     click.option("--no-verify", is_flag=True,
                  help="Skip hashing model.ptd against manifest.json (sizes, keys and shapes are still checked). "
                       "Without it the weights are hashed unless this unchanged file was hashed before.")
@@ -149,8 +153,8 @@ def engine_setup(device: str, threads: Optional[int], die=None, spare_core: bool
               help="Output JSONL, one line per request as it finishes ('-' = stdout) [default: stdout].")
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
 def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, threads, kv_layout,
-         no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs, fused_rounds, no_verify, output,
-         stats_json):
+         no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs, fused_rounds, int4_tensor_cores,
+         no_verify, output, stats_json):
     """Serve the prompts of ARTIFACT (an mg-export directory) and write one JSON line per request."""
     if not prompts and input_path is None:
         click.echo(click.get_current_context().get_help(), err=True)
@@ -176,7 +180,7 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
     try:
         config = RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, compile=compile_methods,
                            dflash=not no_dflash, draft_block=draft_block, speculation=speculation,
-                           fused_rounds=fused_rounds)
+                           fused_rounds=fused_rounds, int4_tensor_cores=int4_tensor_cores)
         summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, sink, kv_layout,
                         verify=not no_verify)
     except ServeError as e:

@@ -40,7 +40,11 @@ class RunConfig:
     False leaves torch's choice alone. draft_tf32: None = on CUDA, the drafter's methods (`draft_block`,
     `draft_append`) run their fp32 matrix products in TF32 (their graphs are captured so; the target's stay
     fp32): drafts are proposals the target verifies, so their precision moves acceptance, never the output.
-    False keeps them fp32."""
+    False keeps them fp32. int4_tensor_cores: bfloat16 int4 linears of at most `quant.TINYGEMM_MAX_ROWS` rows run
+    on torch's tensor-core int4 kernel instead of the Triton kernel (CUDA): faster at batch 1-4 (a decode step
+    of MG-30B width at 0.54x the bf16 linears' time where the Triton kernel takes 0.89x), but a row's bits then
+    depend on how many rows share its call, so greedy DFlash equals target-only, and batched equals alone, only
+    up to rounding (off: exactly, the Triton kernel sums a row alike in calls of 1-16 rows)."""
 
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None
@@ -55,6 +59,7 @@ class RunConfig:
     fused_rounds: Optional[bool] = None
     cublaslt: Optional[bool] = None
     draft_tf32: Optional[bool] = None
+    int4_tensor_cores: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -90,7 +90,7 @@ class ModelRunner:
             self.cache.use_triton = triton_enabled(self.device, config.use_triton)
         self.counters = GraphCounters()
         self.ops: dict[str, Callable] = {_qualified(mg_ops.UPDATE_AND_ATTEND): self.cache.update_and_attend,
-                                         **quant.kernels(self.device)}
+                                         **quant.kernels(self.device, config.int4_tensor_cores)}
         self._plans = {C.METHOD_FORWARD: _Plan(C.METHOD_FORWARD, kv.max_write, self._blank_forward, self.cache,
                                                _cut_forward)}
         self.draft_cache: Optional[KVCache] = None

@@ -186,8 +186,8 @@ def test_quantized_artifacts_generate_and_dflash_stays_lossless(artifacts, name,
     """Served by the float32 references: the CPU kernels round to bfloat16, which can turn a near-tie between
     the two best tokens either way depending on the batch (BENCHMARKS.md, "Quantized weights"); the kernels'
     own generation is compared with compiled code below, on identical batches."""
-    monkeypatch.setattr(quant, "kernels", lambda device: {"mg::linear_int8": quant.linear_int8_ref,
-                                                          "mg::linear_int4": quant.linear_int4_ref})
+    references = {"mg::linear_int8": quant.linear_int8_ref, "mg::linear_int4": quant.linear_int4_ref}
+    monkeypatch.setattr(quant, "kernels", lambda device, int4_tensor_cores=False: references)
     art = load_artifact(artifacts[name])
     prompts = [tuple(range(5 + i, 17 + 2 * i)) for i in range(3)]
 
@@ -265,12 +265,27 @@ def test_a_quantized_checkpoint_is_refused_in_one_line(tmp_path, tiny_cfg, tiny_
     assert res.output.strip().splitlines()[-1].startswith("mg-export: error: ")
 
 
+@pytest.fixture(scope="module")
+def bf16_int4_artifact(tmp_path_factory):
+    """The tiny preset in bfloat16 with int4 weights (groups of 32): the activations torch's tensor-core int4
+    kernel takes (`RunConfig.int4_tensor_cores`)."""
+    out = tmp_path_factory.mktemp("quant-bf16") / "int4-bf16"
+    res = _export(out, "--draft-preset", "tiny", "--dtype", "bfloat16", "--weights", "int4", "--group-size", "32")
+    assert res.exit_code == 0, res.output
+    return out
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["int8", "int4"])
-def test_quantized_artifacts_on_cuda_graphs_equal_eager_and_dflash_is_lossless(artifacts, name):
-    art = load_artifact(artifacts[name], device="cuda")
+@pytest.mark.parametrize("name", ["int8", "int4", "int4-bf16"])
+def test_quantized_artifacts_on_cuda_graphs_equal_eager_and_dflash_is_lossless(request, artifacts, name,
+                                                                               monkeypatch):
+    path = request.getfixturevalue("bf16_int4_artifact") if name == "int4-bf16" else artifacts[name]
+    art = load_artifact(path, device="cuda")
     prompts = [tuple(range(5 + i, 17 + 2 * i)) for i in range(3)]
+    tensor_core_calls = []
+    tinygemm = quant._int4_tinygemm
+    monkeypatch.setattr(quant, "_int4_tinygemm", lambda *a: tensor_core_calls.append(1) or tinygemm(*a))
 
     def tokens(**kw):
         reqs = [Request(f"r{i}", p, 16, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -279,3 +294,8 @@ def test_quantized_artifacts_on_cuda_graphs_equal_eager_and_dflash_is_lossless(a
     eager = tokens(dflash=False, cuda_graphs=False)
     assert tokens(dflash=False) == eager
     assert tokens(speculation="fixed") == eager
+    assert not tensor_core_calls  # only on request
+    if name == "int4-bf16":  # on request: graphs == eager stays exact (the same rows per call); DFlash need not
+        fast = tokens(dflash=False, cuda_graphs=False, int4_tensor_cores=True)
+        assert tensor_core_calls
+        assert tokens(dflash=False, int4_tensor_cores=True) == fast

@@ -35,7 +35,8 @@ def _weights(n: int, k: int, group: int, dtype: torch.dtype, seed: int):
             (q4.to(DEVICE), s4.to(dtype).to(DEVICE), z4.to(dtype).to(DEVICE), group))
 
 
-SMALL = [(1, 96, 256, 32), (5, 64, 384, 128), (17, 40, 256, 64), (3, 200, 1024, 128), (64, 72, 512, 256)]
+SMALL = [(1, 96, 256, 32), (5, 64, 384, 128), (17, 40, 256, 64), (3, 200, 1024, 128), (64, 72, 512, 256),
+         (4, 33, 512, 64), (2, 130, 768, 256)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,6 +80,9 @@ def test_bad_arguments_are_refused_in_one_line():
         tq.linear_int8_triton(x[:, :128], *int8)
     with pytest.raises(ValueError, match="group_size"):
         tq.linear_int4_triton(x, *int4[:3], 96)
+    _, int4_16 = _weights(64, 256, 16, torch.float32, seed=1)  # below the tile the kernel's dot needs
+    with pytest.raises(ValueError, match="group_size must be a power of two >= 32"):
+        tq.linear_int4_triton(x, *int4_16)
     with pytest.raises(ValueError, match="weight_q must be"):
         tq.linear_int4_triton(x, int8[0], *int4[1:])
 
@@ -102,3 +106,63 @@ def test_real_width_shapes(m):
         x = torch.randn(m, 6656, device=DEVICE).to(dtype)
         _close(tq.linear_int8_triton(x, *int8), quant.linear_int8_ref(x, *int8))
         _close(tq.linear_int4_triton(x, *int4), quant.linear_int4_ref(x, *int4))
+
+
+# ------------------------------------------------------------------ torch's tensor-core int4 kernel (CUDA)
+
+
+@cuda_only
+@pytest.mark.parametrize("m,n,k,group", [(1, 96, 256, 32), (5, 64, 384, 128), (16, 2048, 6656, 128),
+                                         (32, 200, 1024, 256), (3, 136, 512, 64)])
+def test_tensor_core_int4_matches_the_reference(m, n, k, group):
+    _, int4 = _weights(n, k, group, torch.bfloat16, seed=m + n)
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    assert quant._tinygemm_serves(x, int4[0], group) == (m <= quant.TINYGEMM_MAX_ROWS)
+    _close(quant._int4_tinygemm(x, *int4), quant.linear_int4_ref(x, *int4))
+    _close(quant._int4_tinygemm(x.reshape(1, m, k), *int4), quant.linear_int4_ref(x, *int4).reshape(1, m, n))
+
+
+@cuda_only
+def test_tensor_core_int4_gives_a_row_the_same_bits_alone_and_in_a_batch():
+    _, int4 = _weights(256, 1024, 128, torch.bfloat16, seed=5)
+    x = torch.randn(32, 1024, device=DEVICE).bfloat16()
+    batch = quant._int4_tinygemm(x, *int4)
+    for i in (0, quant.TINYGEMM_MAX_ROWS - 1, 16, 31):
+        assert torch.equal(quant._int4_tinygemm(x[i:i + 1], *int4)[0], batch[i])
+
+
+@cuda_only
+def test_the_cuda_table_sends_short_bfloat16_int4_calls_to_tensor_cores_once_laid_out():
+    """With int4_tensor_cores, bfloat16 calls of up to TINYGEMM_MAX_ROWS rows build the tensor-core layout once
+    per weight; float32 calls, longer calls and N not a multiple of the kernel's 8-column tiles keep the Triton
+    kernel (no layout built); a CUDA graph capture never builds one (the conversion would be replayed), but
+    replays one built before. Without int4_tensor_cores the table never builds one."""
+    _, int4 = _weights(64, 256, 64, torch.bfloat16, seed=9)
+    x = torch.randn(2, 256, device=DEVICE).bfloat16()
+    _close(quant.kernels(torch.device("cuda"))["mg::linear_int4"](x, *int4), quant.linear_int4_ref(x, *int4))
+    assert not hasattr(int4[0], "_mg_int4_cuda")
+    table = quant.kernels(torch.device("cuda"), int4_tensor_cores=True)["mg::linear_int4"]
+    weight_q = int4[0]
+    for x in (torch.randn(3, 256, device=DEVICE),  # float32
+              torch.randn(quant.TINYGEMM_MAX_ROWS + 1, 256, device=DEVICE).bfloat16()):
+        _close(table(x, *int4), quant.linear_int4_ref(x, *int4))
+    assert not hasattr(weight_q, "_mg_int4_cuda")
+    _, int4_60 = _weights(60, 256, 64, torch.bfloat16, seed=9)
+    x = torch.randn(2, 256, device=DEVICE).bfloat16()
+    _close(table(x, *int4_60), quant.linear_int4_ref(x, *int4_60))
+    assert not hasattr(int4_60[0], "_mg_int4_cuda")
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert not quant._tinygemm_serves(x, weight_q, 64)
+        torch.zeros(1, device=DEVICE)  # a graph with no node draws a warning
+    _close(table(x, *int4), quant.linear_int4_ref(x, *int4))
+    layout = weight_q._mg_int4_cuda
+    _close(table(x, *int4), quant.linear_int4_ref(x, *int4))
+    assert weight_q._mg_int4_cuda is layout
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert quant._tinygemm_serves(x, weight_q, 64)
+        y = table(x, *int4)
+    graph.replay()
+    _close(y, quant.linear_int4_ref(x, *int4))
