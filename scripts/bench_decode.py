@@ -46,7 +46,9 @@ PROMPT = 64  # prompt tokens per request
 BLOCK = 16  # DFlash block (the medium drafter's)
 # Execution modes: RunConfig settings. `compiled` uses CUDA graphs where there is CUDA.
 MODES = {"eager": dict(cuda_graphs=False, compile=False), "graphs": dict(cuda_graphs=True, compile=False),
-         "compiled": dict(compile=True)}
+         "compiled": dict(compile=True),
+         # graphs, with bfloat16 int4 calls of 1-4 rows on torch's tensor-core kernel (RunConfig.int4_tensor_cores)
+         "graphs-tc": dict(cuda_graphs=True, compile=False, int4_tensor_cores=True)}
 
 
 def bench_config(layers: int, tiny: bool, preset: str | None = None):
@@ -69,7 +71,8 @@ def bench_config(layers: int, tiny: bool, preset: str | None = None):
 
 def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, max_seqs: int,
                max_context: int, preset: str | None = None, threads: int = 0,
-               weights: str = "float", group_size: int | None = None) -> tuple[str, float, float]:
+               weights: str = "float", group_size: int | None = None,
+               quantize_head: bool = False) -> tuple[str, float, float]:
     """Export one layout (runs in its own process); -> (directory, seconds, peak RSS of the process in GB)."""
     import mg.kernels  # noqa: F401
     from mg.kernels.quiet import quiet_dependencies
@@ -86,7 +89,7 @@ def export_one(out: str, layout: str, layers: int, tiny: bool, max_write: int, m
     draft = DraftSource("bench-draft", dcfg, RandomWeights(PRESET_SEED))
     sizes = {"max_seqs": max_seqs} if layout == "sequence" else {"max_cells": max_seqs * max_context}
     opts = ExportOptions(output_dir=Path(out), layout=layout, max_context=max_context, max_write=max_write, force=True,
-                         weights=weights, group_size=group_size, **sizes)
+                         weights=weights, group_size=group_size, quantize_head=quantize_head, **sizes)
     export_artifact(opts, target, lambda msg: print(f"  [{layout}] {msg}", flush=True), draft)
     return out, time.perf_counter() - t0, rss_gb("VmHWM")
 
@@ -338,6 +341,7 @@ def main() -> None:
     p.add_argument("--weights", default="float", choices=["float", "int8", "int4"],
                    help="the target's and drafter's linear layers, as `mg-export --weights`")
     p.add_argument("--group-size", type=int, default=None, help="--weights int4: as `mg-export --group-size`")
+    p.add_argument("--quantize-head", action="store_true", help="the LM head too, as `mg-export --quantize-head`")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -350,10 +354,12 @@ def main() -> None:
         int(x) for x in args.e2e_batches.split(",") if x]
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_decode: --device cuda, but torch sees no CUDA device")
+    if args.quantize_head and args.weights == "float":
+        sys.exit("bench_decode: --quantize-head needs --weights int8 or int4")
     args.modes = (args.modes or ("eager,graphs,compiled" if args.device == "cuda" else "eager")).split(",")
-    bad = [m for m in args.modes if m not in MODES or (m == "graphs" and args.device != "cuda")]
+    bad = [m for m in args.modes if m not in MODES or (m.startswith("graphs") and args.device != "cuda")]
     if bad:
-        sys.exit(f"bench_decode: --modes has {bad[0]!r}; allowed: {', '.join(MODES)} (graphs: cuda only)")
+        sys.exit(f"bench_decode: --modes has {bad[0]!r}; allowed: {', '.join(MODES)} (graphs, graphs-tc: cuda only)")
     cfg, dcfg = bench_config(args.layers, args.tiny, args.preset)
     max_seqs = max(args.batches + args.dflash_batches + args.e2e_batches)
     max_write = max(max_seqs, BLOCK * max(args.dflash_batches + args.e2e_batches, default=1), 2) if not args.tiny else 24
@@ -367,7 +373,7 @@ def main() -> None:
         with ProcessPoolExecutor(len(lays), mp_context=get_context("spawn")) as pool:
             futures = {lay: pool.submit(export_one, str(work / lay), lay, args.layers, args.tiny, max_write, max_seqs,
                                         args.max_context, args.preset, threads, args.weights,
-                                        args.group_size) for lay in lays}
+                                        args.group_size, args.quantize_head) for lay in lays}
             done = {lay: f.result() for lay, f in futures.items()}
         print(f"exported {', '.join(f'{k} in {v[1]:.0f}s (peak RSS {v[2]:.2f} GB)' for k, v in done.items())} "
               f"(wall {time.perf_counter() - t0:.0f}s)", flush=True)
@@ -385,7 +391,8 @@ def main() -> None:
                   "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "block_size", "target_layers")},
               "params": params, "weight_gb": weight_bytes / 1e9, "copy_gbps": bw / 1e9,
               "floor_ms": 1e3 * weight_bytes / bw, "max_write": max_write, "max_new": args.max_new,
-              "batches": args.batches, "modes": args.modes, "weights": args.weights, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "batches": args.batches, "modes": args.modes, "weights": args.weights,
+              "quantize_head": args.quantize_head, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "export_s": {}, "export_peak_rss_gb": {}, "ptd_gb": None, "layouts": {}}
     def save() -> None:
         if args.out:

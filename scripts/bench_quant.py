@@ -3,8 +3,10 @@
 For each linear of one layer of `--preset` (default mg-30b: qkvg 6656 -> 8704, o 4096 -> 6656, gate/up
 6656 -> 39936, down 19968 -> 6656; `--head` adds the 202048-row output head) and each row count of `--rows`
 (decode batches, DFlash verify rows), times `y = x W^T` in bf16 (cuBLAS, the float artifact's path) against
-the Triton kernels of `mg.kernels.triton_quant` (int8 per channel, int4 in groups of `--group-size`) and
-against the torch references (dequantize, then matmul: what CUDA ran before the kernels). Each measurement is
+the Triton kernels of `mg.kernels.triton_quant` (int8 per channel, int4 in groups of `--group-size`), against
+torch's tensor-core int4 kernel on the runtime's layout (`int4-tc`: what the runtime serves bfloat16 int4
+calls of up to `quant.TINYGEMM_MAX_ROWS` rows with) and against the torch references (dequantize, then matmul:
+what CUDA ran before the kernels). Each measurement is
 `--calls` back-to-back calls captured in one CUDA graph (as the runtime replays methods), replayed `--reps`
 times between CUDA events; the median replay is kept. The floor of each scheme is the bytes it must read
 (weights, scales, zeros) over the measured copy bandwidth. Also checks each kernel against its reference.
@@ -22,7 +24,8 @@ import sys
 
 import torch
 
-SCHEMES = ("bf16", "int8", "int4", "int8-ref", "int4-ref")
+SCHEMES = ("bf16", "int8", "int4", "int4-tc", "int8-ref", "int4-ref")
+KERNELS = ("int8", "int4", "int4-tc")  # checked against their references
 
 
 def _linears(preset: str, head: bool) -> list[tuple[str, int, int]]:
@@ -84,6 +87,7 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
             fns = {"bf16": lambda: torch.nn.functional.linear(x, w),
                    "int8": lambda: tq.linear_int8_triton(x, q8, s8),
                    "int4": lambda: tq.linear_int4_triton(x, q4, s4, z4, group),
+                   "int4-tc": lambda: quant._int4_tinygemm(x, q4, s4, z4, group),
                    "int8-ref": lambda: quant.linear_int8_ref(x, q8, s8),
                    "int4-ref": lambda: quant.linear_int4_ref(x, q4, s4, z4, group)}
             row = {"linear": name, "n": n, "k": k, "rows": m, "us": {}, "floor_us": {}}
@@ -92,8 +96,8 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
             for scheme, nbytes in stored.items():
                 row["floor_us"][scheme] = 1e6 * nbytes / bw
             row["max_err_vs_ref"] = {}
-            for scheme in ("int8", "int4"):
-                want = fns[f"{scheme}-ref"]().float()
+            for scheme in KERNELS:
+                want = fns[f"{scheme[:4]}-ref"]().float()
                 err = (fns[scheme]().float() - want).abs().max().item()
                 row["max_err_vs_ref"][scheme] = err / want.abs().max().item()
             results.append(row)
@@ -105,31 +109,35 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
 
 
 def tables(results: list[dict], rows: list[int]) -> str:
-    lines = ["| linear | N x K | rows | bf16 us | int8 us | int4 us | int8 ref us | int4 ref us | int8 / bf16 | "
-             "int4 / bf16 | int8 / its floor | int4 / its floor | max err / max |y| (int8, int4) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| linear | N x K | rows | bf16 us | int8 us | int4 us | int4-tc us | int8 ref us | int4 ref us | "
+             "int8 / bf16 | int4 / bf16 | int4-tc / bf16 | int8 / its floor | int4-tc / its floor | "
+             "max err / max |y| (int8, int4, int4-tc) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         u, f, e = r["us"], r["floor_us"], r["max_err_vs_ref"]
         lines.append(f"| {r['linear']} | {r['n']} x {r['k']} | {r['rows']} | {u['bf16']:.1f} | {u['int8']:.1f} | "
-                     f"{u['int4']:.1f} | {u['int8-ref']:.1f} | {u['int4-ref']:.1f} | {u['int8'] / u['bf16']:.2f} | "
-                     f"{u['int4'] / u['bf16']:.2f} | {u['int8'] / f['int8']:.2f} | {u['int4'] / f['int4']:.2f} | "
-                     f"{e['int8']:.1e}, {e['int4']:.1e} |")
+                     f"{u['int4']:.1f} | {u['int4-tc']:.1f} | {u['int8-ref']:.1f} | {u['int4-ref']:.1f} | "
+                     f"{u['int8'] / u['bf16']:.2f} | {u['int4'] / u['bf16']:.2f} | {u['int4-tc'] / u['bf16']:.2f} | "
+                     f"{u['int8'] / f['int8']:.2f} | {u['int4-tc'] / f['int4']:.2f} | "
+                     f"{e['int8']:.1e}, {e['int4']:.1e}, {e['int4-tc']:.1e} |")
     lines += ["", "One layer (the sum of its linears, the head excluded):", "",
-              "| rows | bf16 us | int8 us | int4 us | int8 / bf16 | int4 / bf16 | int8 / floor | int4 / floor |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| rows | bf16 us | int8 us | int4 us | int4-tc us | int8 / bf16 | int4 / bf16 | int4-tc / bf16 | "
+              "int8 / floor | int4 / floor | int4-tc / floor |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in rows:
         layer = [r for r in results if r["rows"] == m and r["linear"] != "output"]
         t = {s: sum(r["us"][s] for r in layer) for s in SCHEMES}
         f = {s: sum(r["floor_us"][s] for r in layer) for s in ("bf16", "int8", "int4")}
-        lines.append(f"| {m} | {t['bf16']:.1f} | {t['int8']:.1f} | {t['int4']:.1f} | {t['int8'] / t['bf16']:.2f} | "
-                     f"{t['int4'] / t['bf16']:.2f} | {t['int8'] / f['int8']:.2f} | {t['int4'] / f['int4']:.2f} |")
+        lines.append(f"| {m} | {t['bf16']:.1f} | {t['int8']:.1f} | {t['int4']:.1f} | {t['int4-tc']:.1f} | "
+                     f"{t['int8'] / t['bf16']:.2f} | {t['int4'] / t['bf16']:.2f} | {t['int4-tc'] / t['bf16']:.2f} | "
+                     f"{t['int8'] / f['int8']:.2f} | {t['int4'] / f['int4']:.2f} | {t['int4-tc'] / f['int4']:.2f} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="mg-30b")
-    p.add_argument("--rows", default="1,8,16,32", help="rows per call (batch x verify rows), comma-separated")
+    p.add_argument("--rows", default="1,8,16,32,64", help="rows per call (batch x verify rows), comma-separated")
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128, 256])
     p.add_argument("--head", action="store_true", help="also the output head (202048 x 6656 at mg-30b)")
     p.add_argument("--calls", type=int, default=20)

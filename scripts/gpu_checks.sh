@@ -6,12 +6,14 @@
 # JSON, Markdown tables) go to ${OUT:-gpu-results}. Works from a source checkout without installing: the mg.*
 # namespace is mapped with links.
 #
-#   scripts/gpu_checks.sh                      # everything: tests attention quant decode eval profile real serve
+#   scripts/gpu_checks.sh                      # everything: tests attention quant decode eval profile real real-quant serve
 #   scripts/gpu_checks.sh tests eval           # only those steps, in that order
 #
 # `real` exports the first 16 layers of MG-30B at full width (~21 GB of weights, written under
 # ${MG_BENCH_WORKDIR:-a temporary folder}, one layout at a time) and benchmarks it: it needs ~25 GB of
-# free disk and ~5 minutes. `serve` runs scripts/bench_serve.py against `mg-serve --device cuda` (needs the
+# free disk and ~5 minutes. `real-quant` exports the first ${MG_QUANT_LAYERS:-8} layers of MG-30B three times
+# (bf16; int4 in groups of 128; int4 with the head quantized too) and times a decode step of each, the int4
+# ones also with --int4-tensor-cores (~8 minutes, ~15 GB of disk). `serve` runs scripts/bench_serve.py against `mg-serve --device cuda` (needs the
 # serving packages: fastapi, uvicorn, openai, prometheus-client).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +26,7 @@ for pkg in export runtime kernels manifests; do ln -s "$ROOT/$pkg" "$NS/mg/$pkg"
 export PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention quant decode eval profile real serve)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention quant decode eval profile real real-quant serve)
 status=0
 for step in "${steps[@]}"; do
     case "$step" in
@@ -41,9 +43,17 @@ for step in "${steps[@]}"; do
                   --batches 1,8,32 --dflash-batches 1,8 \
                   --max-new 32 --steps 10 ${MG_BENCH_WORKDIR:+--workdir "$MG_BENCH_WORKDIR"} \
                   --out "$OUT/bench_real.json" 2>&1 | tee "$OUT/bench_real.md" ;;
+        real-quant) for w in float int4 int4-head; do
+                  python3 scripts/bench_decode.py --preset mg-30b --n-layers "${MG_QUANT_LAYERS:-8}" --layouts sequence \
+                      --modes "graphs$([ "$w" != float ] && echo ,graphs-tc)" --batches 1,8,32 --dflash-batches 1 --e2e-batches '' --steps 8 --max-new 32 \
+                      --weights "${w%-head}" $([ "$w" = int4-head ] && echo --quantize-head) \
+                      ${MG_BENCH_WORKDIR:+--workdir "$MG_BENCH_WORKDIR"} --out "$OUT/bench_real_$w.json" 2>&1 \
+                      | tee "$OUT/bench_real_$w.md"
+                  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+              done ;;
         serve) python3 scripts/bench_serve.py --device cuda --out "$OUT/bench_serve_cuda.json" 2>&1 \
                   | tee "$OUT/bench_serve_cuda.md" ;;
-        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention quant decode eval profile real serve" >&2; exit 2 ;;
+        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention quant decode eval profile real real-quant serve" >&2; exit 2 ;;
     esac
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
