@@ -180,9 +180,10 @@ def _int4_cpu(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, zero
 
 
 # With `int4_tensor_cores`, bfloat16 int4 calls of at most this many rows go to torch's tensor-core int4 kernel
-# (`_weight_int4pack_mm`, "tinygemm"). On the H200 (one MG-30B layer's linears, scripts/bench_quant.py) it takes 0.54x the bf16 time
-# at one row where the Triton kernel takes 0.89x, still wins at 4 rows, and loses from 8 (its time grows with
-# the rows); longer calls go to the Triton kernel (up to `triton_quant.MAX_ROWS`) or the reference.
+# (`_weight_int4pack_mm`, "tinygemm"). On the H200 (one MG-30B layer's linears, scripts/bench_quant.py) it
+# takes 0.54x the bf16 time at one row where the Triton kernel takes 0.89x, still wins at 4 rows, and loses
+# from 8 (its time grows with the rows); longer calls go to the Triton kernel (up to `triton_quant.MAX_ROWS`)
+# or the reference.
 TINYGEMM_MAX_ROWS = 4
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 

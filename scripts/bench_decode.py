@@ -392,7 +392,8 @@ def main() -> None:
               "params": params, "weight_gb": weight_bytes / 1e9, "copy_gbps": bw / 1e9,
               "floor_ms": 1e3 * weight_bytes / bw, "max_write": max_write, "max_new": args.max_new,
               "batches": args.batches, "modes": args.modes, "weights": args.weights,
-              "quantize_head": args.quantize_head, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "quantize_head": args.quantize_head,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "export_s": {}, "export_peak_rss_gb": {}, "ptd_gb": None, "layouts": {}}
     def save() -> None:
         if args.out:
