@@ -78,9 +78,11 @@ _ENGINE_OPTIONS = [
                  help="Run a greedy DFlash round (draft, verify, acceptance, draft context) as one call: one CUDA "
                       "graph per round [default: on with CUDA graphs; --fused-rounds runs it eagerly elsewhere]."),
     click.option("--int4-tensor-cores", is_flag=True,
-                 help="With --device cuda and a bfloat16 int4 artifact: decode steps of 1-4 sequences run the "
-                      "quantized linears on torch's tensor-core int4 kernel (faster), at the cost of exactness: "
-                      "greedy DFlash then equals target-only, and batched equals alone, only up to rounding."),
+                 help="With --device cuda and a bfloat16 int4 artifact: calls of 1-4 rows (decode steps of 1-4 "
+                      "sequences) run the quantized linears on torch's tensor-core int4 kernel: faster, a second "
+                      "copy of each int4 weight on the device, and greedy DFlash then equals target-only, and "
+                      "batched equals alone, only up to rounding (a row's kernel depends on its call's rows). "
+                      "Changes nothing elsewhere."),
     click.option("--no-verify", is_flag=True,
                  help="Skip hashing model.ptd against manifest.json (sizes, keys and shapes are still checked). "
                       "Without it the weights are hashed unless this unchanged file was hashed before.")

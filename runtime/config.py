@@ -40,11 +40,14 @@ class RunConfig:
     False leaves torch's choice alone. draft_tf32: None = on CUDA, the drafter's methods (`draft_block`,
     `draft_append`) run their fp32 matrix products in TF32 (their graphs are captured so; the target's stay
     fp32): drafts are proposals the target verifies, so their precision moves acceptance, never the output.
-    False keeps them fp32. int4_tensor_cores: bfloat16 int4 linears of at most `quant.TINYGEMM_MAX_ROWS` rows run
-    on torch's tensor-core int4 kernel instead of the Triton kernel (CUDA): faster at batch 1-4 (a decode step
-    of MG-30B width at 0.54x the bf16 linears' time where the Triton kernel takes 0.89x), but a row's bits then
-    depend on how many rows share its call, so greedy DFlash equals target-only, and batched equals alone, only
-    up to rounding (off: exactly, the Triton kernel sums a row alike in calls of 1-16 rows)."""
+    False keeps them fp32. int4_tensor_cores: on CUDA (compute capability 8.0+), calls of bfloat16 int4 linears
+    with at most `quant.TINYGEMM_MAX_ROWS` rows (decode steps of 1-4 sequences, DFlash rounds of up to 4 rows,
+    short chunks) run on torch's tensor-core int4 kernel instead of the Triton kernel: at MG-30B width its
+    linears take 0.54x the bf16 time at one row where the Triton kernel takes 0.89x; each weight is laid out
+    again for it (as many bytes again as the stored int4 weight). The choice goes by a call's row count, so a
+    row's bits then depend on how many rows share its call: greedy DFlash equals target-only, and batched
+    equals alone, only up to rounding (off: exactly, the Triton kernel sums a row alike in calls of 1-16
+    rows). Changes nothing elsewhere (CPU, float or float32 artifacts)."""
 
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None

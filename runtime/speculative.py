@@ -728,7 +728,8 @@ class Speculator:
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
         key = (_program_key(r), str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None),
-               cfg.prefer_cublaslt, cfg.drafter_tf32, tuple(fr.block for fr in self.rounds))
+               cfg.prefer_cublaslt, cfg.drafter_tf32, cfg.int4_tensor_cores,
+               tuple(fr.block for fr in self.rounds))
         if key not in _COST_TABLES:
             tables = _load_tables(key, r.device)
             if tables is None or len(tables) != 3 + len(self.rounds):

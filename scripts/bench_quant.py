@@ -22,6 +22,8 @@ import json
 import statistics
 import sys
 
+from math import nan
+
 import torch
 
 SCHEMES = ("bf16", "int8", "int4", "int4-tc", "int8-ref", "int4-ref")
@@ -82,6 +84,7 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
         s8, s4, z4 = s8.bfloat16(), s4.bfloat16(), z4.bfloat16()
         stored = {"bf16": w.numel() * 2, "int8": q8.numel() + s8.numel() * 2,
                   "int4": q4.numel() + (s4.numel() + z4.numel()) * 2}
+        tc = quant._tensor_cores(torch.cuda.current_device()) and n % 8 == 0  # else int4-tc is NaN
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
             fns = {"bf16": lambda: torch.nn.functional.linear(x, w),
@@ -91,12 +94,15 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
                    "int8-ref": lambda: quant.linear_int8_ref(x, q8, s8),
                    "int4-ref": lambda: quant.linear_int4_ref(x, q4, s4, z4, group)}
             row = {"linear": name, "n": n, "k": k, "rows": m, "us": {}, "floor_us": {}}
+            if not tc:  # the tensor-core kernel cannot run here (pre-Ampere, or N not a multiple of 8)
+                del fns["int4-tc"]
+                row["us"]["int4-tc"] = row.setdefault("max_err_vs_ref", {})["int4-tc"] = nan
             for scheme, fn in fns.items():
                 row["us"][scheme] = 1e6 * _graph_time(fn, calls, reps)
             for scheme, nbytes in stored.items():
                 row["floor_us"][scheme] = 1e6 * nbytes / bw
-            row["max_err_vs_ref"] = {}
-            for scheme in KERNELS:
+            row.setdefault("max_err_vs_ref", {})
+            for scheme in (s for s in KERNELS if s in fns):
                 want = fns[f"{scheme[:4]}-ref"]().float()
                 err = (fns[scheme]().float() - want).abs().max().item()
                 row["max_err_vs_ref"][scheme] = err / want.abs().max().item()
@@ -110,15 +116,15 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
 
 def tables(results: list[dict], rows: list[int]) -> str:
     lines = ["| linear | N x K | rows | bf16 us | int8 us | int4 us | int4-tc us | int8 ref us | int4 ref us | "
-             "int8 / bf16 | int4 / bf16 | int4-tc / bf16 | int8 / its floor | int4-tc / its floor | "
+             "int8 / bf16 | int4 / bf16 | int4-tc / bf16 | int8 / its floor | int4 / its floor | int4-tc / its floor | "
              "max err / max |y| (int8, int4, int4-tc) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         u, f, e = r["us"], r["floor_us"], r["max_err_vs_ref"]
         lines.append(f"| {r['linear']} | {r['n']} x {r['k']} | {r['rows']} | {u['bf16']:.1f} | {u['int8']:.1f} | "
                      f"{u['int4']:.1f} | {u['int4-tc']:.1f} | {u['int8-ref']:.1f} | {u['int4-ref']:.1f} | "
                      f"{u['int8'] / u['bf16']:.2f} | {u['int4'] / u['bf16']:.2f} | {u['int4-tc'] / u['bf16']:.2f} | "
-                     f"{u['int8'] / f['int8']:.2f} | {u['int4-tc'] / f['int4']:.2f} | "
+                     f"{u['int8'] / f['int8']:.2f} | {u['int4'] / f['int4']:.2f} | {u['int4-tc'] / f['int4']:.2f} | "
                      f"{e['int8']:.1e}, {e['int4']:.1e}, {e['int4-tc']:.1e} |")
     lines += ["", "One layer (the sum of its linears, the head excluded):", "",
               "| rows | bf16 us | int8 us | int4 us | int4-tc us | int8 / bf16 | int4 / bf16 | int4-tc / bf16 | "

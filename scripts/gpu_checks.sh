@@ -45,7 +45,7 @@ for step in "${steps[@]}"; do
                   --out "$OUT/bench_real.json" 2>&1 | tee "$OUT/bench_real.md" ;;
         real-quant) for w in float int4 int4-head; do
                   python3 scripts/bench_decode.py --preset mg-30b --n-layers "${MG_QUANT_LAYERS:-8}" --layouts sequence \
-                      --modes "graphs$([ "$w" != float ] && echo ,graphs-tc)" --batches 1,8,32 --dflash-batches 1 --e2e-batches '' --steps 8 --max-new 32 \
+                      --modes "graphs$([ "$w" != float ] && echo ,graphs-tc)" --batches 1,4,8,32 --dflash-batches 1 --e2e-batches '' --steps 8 --max-new 32 \
                       --weights "${w%-head}" $([ "$w" = int4-head ] && echo --quantize-head) \
                       ${MG_BENCH_WORKDIR:+--workdir "$MG_BENCH_WORKDIR"} --out "$OUT/bench_real_$w.json" 2>&1 \
                       | tee "$OUT/bench_real_$w.md"
