@@ -156,14 +156,20 @@ def _cpu_scale(scale: torch.Tensor) -> torch.Tensor:
     return cached
 
 
+def _int4pack_scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """`scale` and `zero` [N, K/G] as torch's int4pack kernels (CPU and CUDA) take them: bfloat16 [K/G, N, 2].
+    They dequantize as (q - 8) * s + z, so z = zero + 8 * scale."""
+    sz = torch.stack((scale.float().t(), (zero.float() + 8 * scale.float()).t()), dim=-1)
+    return sz.to(torch.bfloat16).contiguous()
+
+
 def _int4_cpu_layout(weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
     """The packed layout and scales/zeros of `_weight_int4pack_mm_for_cpu`, built once per weight and kept on
-    the weight tensor. That kernel dequantizes as (q - 8) * s + z, so z = zero + 8 * scale."""
+    the weight tensor."""
     cached = getattr(weight_q, "_mg_int4_cpu", None)
     if cached is None:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(weight_q).to(torch.int32), 1)
-        sz = torch.stack((scale.float().t(), (zero.float() + 8 * scale.float()).t()), dim=-1)
-        cached = (packed, sz.to(_CPU_COMPUTE).contiguous())
+        cached = (packed, _int4pack_scales_and_zeros(scale, zero).to(_CPU_COMPUTE))
         weight_q._mg_int4_cpu = cached
     return cached
 
@@ -205,18 +211,16 @@ def _tinygemm_serves(x: torch.Tensor, weight_q: torch.Tensor, group_size: int) -
 
 
 def _int4_cuda_layout(weight_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
-    """The tensor-core layout of `_weight_int4pack_mm` and its bfloat16 scales/zeros [K/G, N, 2], built once per
-    weight on its device and kept on the weight tensor (as many bytes again as `weight_q`, plus the scales).
-    That kernel reads column 2j from the high nibble (the stored layout has it in the low one) and dequantizes
-    as (q - 8) * s + z in bfloat16, so z = zero + 8 * scale."""
+    """The tensor-core layout of `_weight_int4pack_mm` and its scales/zeros, built once per weight on its device
+    and kept on the weight tensor (as many bytes again as `weight_q`, plus the scales). That kernel reads
+    column 2j from the high nibble (the stored layout has it in the low one)."""
     cached = getattr(weight_q, "_mg_int4_cuda", None)
     if cached is None:
         k = 2 * weight_q.shape[1]
         inner_k_tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
         swapped = ((weight_q & 0xF) << 4) | (weight_q >> 4)
         packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
-        sz = torch.stack((scale.float().t(), (zero.float() + 8 * scale.float()).t()), dim=-1)
-        cached = (packed, sz.to(torch.bfloat16).contiguous())
+        cached = (packed, _int4pack_scales_and_zeros(scale, zero))
         weight_q._mg_int4_cuda = cached
     return cached
 

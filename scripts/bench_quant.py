@@ -27,7 +27,7 @@ from math import nan
 import torch
 
 SCHEMES = ("bf16", "int8", "int4", "int4-tc", "int8-ref", "int4-ref")
-KERNELS = ("int8", "int4", "int4-tc")  # checked against their references
+KERNELS = {"int8": "int8-ref", "int4": "int4-ref", "int4-tc": "int4-ref"}  # each checked against its reference
 
 
 def _linears(preset: str, head: bool) -> list[tuple[str, int, int]]:
@@ -93,17 +93,18 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
                    "int4-tc": lambda: quant._int4_tinygemm(x, q4, s4, z4, group),
                    "int8-ref": lambda: quant.linear_int8_ref(x, q8, s8),
                    "int4-ref": lambda: quant.linear_int4_ref(x, q4, s4, z4, group)}
-            row = {"linear": name, "n": n, "k": k, "rows": m, "us": {}, "floor_us": {}}
+            row = {"linear": name, "n": n, "k": k, "rows": m, "us": {}, "floor_us": {}, "max_err_vs_ref": {}}
             if not tc:  # the tensor-core kernel cannot run here (pre-Ampere, or N not a multiple of 8)
                 del fns["int4-tc"]
-                row["us"]["int4-tc"] = row.setdefault("max_err_vs_ref", {})["int4-tc"] = nan
+                row["us"]["int4-tc"] = row["max_err_vs_ref"]["int4-tc"] = nan
             for scheme, fn in fns.items():
                 row["us"][scheme] = 1e6 * _graph_time(fn, calls, reps)
             for scheme, nbytes in stored.items():
                 row["floor_us"][scheme] = 1e6 * nbytes / bw
-            row.setdefault("max_err_vs_ref", {})
-            for scheme in (s for s in KERNELS if s in fns):
-                want = fns[f"{scheme[:4]}-ref"]().float()
+            for scheme, ref in KERNELS.items():
+                if scheme not in fns:
+                    continue
+                want = fns[ref]().float()
                 err = (fns[scheme]().float() - want).abs().max().item()
                 row["max_err_vs_ref"][scheme] = err / want.abs().max().item()
             results.append(row)

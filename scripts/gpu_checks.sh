@@ -13,8 +13,8 @@
 # ${MG_BENCH_WORKDIR:-a temporary folder}, one layout at a time) and benchmarks it: it needs ~25 GB of
 # free disk and ~5 minutes. `real-quant` exports the first ${MG_QUANT_LAYERS:-8} layers of MG-30B three times
 # (bf16; int4 in groups of 128; int4 with the head quantized too) and times a decode step of each, the int4
-# ones also with --int4-tensor-cores (~8 minutes, ~15 GB of disk). `serve` runs scripts/bench_serve.py against `mg-serve --device cuda` (needs the
-# serving packages: fastapi, uvicorn, openai, prometheus-client).
+# ones also with --int4-tensor-cores (~8 minutes, ~15 GB of disk). `serve` runs scripts/bench_serve.py
+# against `mg-serve --device cuda` (needs the serving packages: fastapi, uvicorn, openai, prometheus-client).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
@@ -44,8 +44,9 @@ for step in "${steps[@]}"; do
                   --max-new 32 --steps 10 ${MG_BENCH_WORKDIR:+--workdir "$MG_BENCH_WORKDIR"} \
                   --out "$OUT/bench_real.json" 2>&1 | tee "$OUT/bench_real.md" ;;
         real-quant) for w in float int4 int4-head; do
-                  python3 scripts/bench_decode.py --preset mg-30b --n-layers "${MG_QUANT_LAYERS:-8}" --layouts sequence \
-                      --modes "graphs$([ "$w" != float ] && echo ,graphs-tc)" --batches 1,4,8,32 --dflash-batches 1 --e2e-batches '' --steps 8 --max-new 32 \
+                  python3 scripts/bench_decode.py --preset mg-30b --n-layers "${MG_QUANT_LAYERS:-8}" \
+                      --layouts sequence --modes "graphs$([ "$w" != float ] && echo ,graphs-tc)" \
+                      --batches 1,4,8,32 --dflash-batches 1 --e2e-batches '' --steps 8 --max-new 32 \
                       --weights "${w%-head}" $([ "$w" = int4-head ] && echo --quantize-head) \
                       ${MG_BENCH_WORKDIR:+--workdir "$MG_BENCH_WORKDIR"} --out "$OUT/bench_real_$w.json" 2>&1 \
                       | tee "$OUT/bench_real_$w.md"
