@@ -161,8 +161,11 @@ class Engine:
                       else StepDrafts.none(len(batch.decode)))
             step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens)
             out = self.runner.forward(step)
+            hidden = out[1] if len(out) > 1 else None
+            if self.spec is not None:
+                self._commit_known(batch, step, drafts.ks, hidden)
             accepted, new_tokens = self._accept(step.groups, drafts, out[0])
-            self._postprocess(batch, step, drafts, accepted, new_tokens, out[1] if len(out) > 1 else None)
+            self._postprocess(batch, step, drafts, accepted, new_tokens, hidden)
             rows = step.tokens.shape[0]
         self.stats.steps += 1
         if self.spec is not None:
@@ -198,24 +201,39 @@ class Engine:
         host = torch.cat([result.n_accepted[:, None], result.tokens], dim=1).tolist()  # the one copy per step
         return [row[0] for row in host], [row[1:2 + row[0]] for row in host]
 
-    def _postprocess(self, batch: Batch, step, drafts, accepted, new_tokens, hidden) -> None:
-        spec = self.spec
-        committed_rows, owners = [], []  # step rows whose hidden state enters the draft context
-        for i, seq in enumerate(batch.decode):
-            k, a = drafts.ks[i], accepted[i]
-            _, _, _, first = step.groups[i]
-            self._advance(seq, k, a)
-            if spec is not None:
-                committed_rows += range(first, first + a + 1)
-                owners.append((seq.slot, a + 1))
-        offset = sum(1 + k for k in drafts.ks)
+    def _commit_known(self, batch: Batch, step, ks: list[int], hidden) -> None:
+        """Before the step's one host copy: the hidden rows whose commit does not wait for acceptance enter
+        the draft context (a sequence that did not draft commits its one row, a prompt chunk all of its rows).
+        Their host work (the scatter's index and its copy) then runs while an asynchronous device still
+        computes the step instead of after it; on a GPU serving a small model, host work between two steps is
+        the step time (docs/ARCHITECTURE.md section 6.1)."""
+        rows, owners = [], []
+        for seq, k, group in zip(batch.decode, ks, step.groups):
+            if k == 0:
+                rows.append(group[3])
+                owners.append((seq.slot, 1))
+        offset = sum(1 + k for k in ks)
         for chunk in batch.prefill:
-            chunk.seq.n_cached += chunk.length
-            committed_rows += range(offset, offset + chunk.length)
+            rows += range(offset, offset + chunk.length)
             owners.append((chunk.seq.slot, chunk.length))
             offset += chunk.length
-        if spec is not None:
-            spec.commit(hidden, committed_rows, owners)
+        self.spec.commit(hidden, rows, owners)
+
+    def _postprocess(self, batch: Batch, step, drafts, accepted, new_tokens, hidden) -> None:
+        """After the step's host copy: sequences advance, and the drafting ones commit their verified rows
+        (`_commit_known` committed the others)."""
+        committed_rows, owners = [], []  # rows of drafting sequences whose hidden state enters the draft context
+        for i, seq in enumerate(batch.decode):
+            k, a = drafts.ks[i], accepted[i]
+            self._advance(seq, k, a)
+            if k and self.spec is not None:
+                first = step.groups[i][3]
+                committed_rows += range(first, first + a + 1)
+                owners.append((seq.slot, a + 1))
+        for chunk in batch.prefill:
+            chunk.seq.n_cached += chunk.length
+        if owners:
+            self.spec.commit(hidden, committed_rows, owners)
         self._append_tokens([g[0] for g in step.groups], new_tokens)
 
     def _fused_step(self, batch: Batch) -> None:

@@ -783,10 +783,14 @@ class Speculator:
     def propose(self, decode: list, ks: list[int]) -> StepDrafts:
         """Drafts for each decoding sequence (k = 0: none); the drafting ones' context is made current first."""
         live = [(s, k) for s, k in zip(decode, ks) if k > 0]
-        for k in ks:
-            _bump(self.stats.chosen_k_hist, k)
-        if not live:
+        hist = self.stats.chosen_k_hist
+        if not live:  # a plain step: the common case where the drafter does not pay, kept cheap
+            if ks:
+                _bump(hist, 0)
+                hist[0] += len(ks) - 1
             return StepDrafts.none(len(decode))
+        for k in ks:
+            _bump(hist, k)
         self._append_waiting([s.slot for s, _ in live])
         self._check_context([s for s, _ in live])
         drafts = self.proposer.propose([s for s, _ in live], [k for _, k in live])

@@ -280,6 +280,31 @@ def test_acceptance_after_a_plain_stretch_equals_a_run_that_never_paused(which, 
     assert sum(key in rec_always.seen for key in rec_paused.seen) >= len(rec_paused.seen) // 2
 
 
+def test_commits_that_do_not_wait_for_acceptance_go_before_the_steps_host_copy(tiny_dflash_seq_artifact, tiny_cfg):
+    """A sequence that did not draft commits its one row, and a prompt chunk all of its rows, before the
+    step's one host copy (their host work overlaps the device's forward); a drafting sequence commits what
+    it accepted after the copy. The output stays target-only's, and every draft finds its context complete
+    (checked before each draft)."""
+    reqs = _requests(_prompts(tiny_cfg.vocab_size)[1:3], 8, ignore_eos=True)  # prompts of 6 and 13 tokens
+    reference = _tokens(_engine(tiny_dflash_seq_artifact, TARGET_ONLY), reqs)
+    engine = _engine(tiny_dflash_seq_artifact)
+    spec, events, slots = engine.spec, [], {}
+
+    def choose(decode, rows_left, prefill=False):  # r0 drafts 3 rows every step, r1 never drafts
+        slots.update({s.request.id: s.slot for s in decode})
+        return [min(3, rows_left) if s.request.id == "r0" else 0 for s in decode]
+
+    commit, accept = spec.commit, engine._accept
+    spec.choose = choose
+    spec.commit = lambda hidden, rows, owners: (owners and events.append(tuple(owners)), commit(hidden, rows, owners))
+    engine._accept = lambda *args: (events.append("copy"), accept(*args))[1]
+    assert _tokens(engine, reqs) == reference
+    assert events[:2] == [((slots["r0"], 6), (slots["r1"], 13)), "copy"]  # both prompts in one step
+    plain_first, copy, drafted_after = events[2:5]
+    assert plain_first == ((slots["r1"], 1),) and copy == "copy"
+    assert len(drafted_after) == 1 and drafted_after[0][0] == slots["r0"] and 1 <= drafted_after[0][1] <= 4
+
+
 # ------------------------------------------------------------------ the adaptive choice
 
 
