@@ -55,7 +55,8 @@ Host work per step is learnt apart for plain steps, steps with separate draft
 calls and fused rounds, and per power-of-two bucket of decoding sequences, as
 the median of the last few such steps, so one slow step (a first call's lazy
 work) cannot price a kind out for long, and no higher than an unseen kind's
-until three were timed. A step's time leaves out the host time of context
+until three were timed; a plain step's samples expire after 64 timed steps at
+their bucket, so a plain step priced high by old samples is measured again. A step's time leaves out the host time of context
 appends (rows committed earlier); steps with prompt chunks, CUDA graph
 captures or a sequence that finished are not timed. A plain step chosen with
 a margin is kept for a few steps without pricing the rounds again.
@@ -272,12 +273,17 @@ class CostModel:
     bucket. One slow step (a first call's lazy work, a pause of the host) moves a median by nothing, where a
     mean taken from it would keep a kind that is then rarely chosen priced high for long. A kind not seen at
     a bucket is priced low, not high, so that it is chosen and measured: a plain step at no host work, the
-    others at a plain step's; so is one seen fewer than `min_samples` times there, at most. `host_work`
-    ({(kind, bucket): window}) lets engines of the same program and settings share those windows."""
+    others at a plain step's; so is one seen fewer than `min_samples` times there, at most. Plain steps'
+    samples also age: those older than `plain_age` timed steps at their bucket no longer count, so a plain
+    step priced high by old samples (an engine's first steps) is measured again rather than never chosen
+    while rounds win by that price. (Rounds priced high are not aged: that error only costs speed-up, and
+    measuring them again costs rounds a poor drafter wastes.) `host_work` lets engines of the same program
+    and settings share those windows."""
 
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2, rounds: Optional[dict[str, dict[int, float]]] = None,
-                 window: int = 9, host_work: Optional[dict[tuple, "_Window"]] = None, min_samples: int = 3):
+                 window: int = 9, host_work: Optional["HostWork"] = None, min_samples: int = 3,
+                 plain_age: int = 64):
         self.tables = {"forward": dict(forward), "draft": dict(draft), "append": dict(append)}
         for name, table in (rounds or {}).items():  # fused rounds: the whole round's time per bucket of members
             self.tables[name] = dict(table)
@@ -287,8 +293,8 @@ class CostModel:
         self._scale = {name: 1.0 for name in self.tables}  # measured / blank, over every timed call
         self.padded = padded
         self.smoothing = smoothing
-        self._errors = host_work if host_work is not None else {}
-        self.window, self.min_samples = window, min_samples
+        self._host = host_work if host_work is not None else HostWork()
+        self.window, self.min_samples, self.plain_age = window, min_samples, plain_age
         self._monotone: dict[str, dict[int, float]] = {}
         self._known: dict[str, dict[int, float]] = {}  # n -> _predict(name, n) for the tables as they are
         for name in self.tables:
@@ -379,39 +385,62 @@ class CostModel:
     def _median(self, key: tuple, unseen: float) -> float:
         """The window's median; until it holds `min_samples` steps, no more than the unseen price (the first
         steps of a kind carry lazy work, and a kind priced high by them might never be chosen again)."""
-        seen = self._errors.get(key)
+        seen = self._host.windows.get(key)
         if not seen:
             return unseen
-        return seen.median() if len(seen) >= self.min_samples else min(seen.median(), unseen)
+        kind, bucket = key
+        oldest = self._host.clock[bucket] - self.plain_age if kind == PLAIN else None
+        count, median = seen.median(oldest)
+        if not count:
+            return unseen
+        return median if count >= self.min_samples else min(median, unseen)
 
     def record(self, kind: str, predicted: float, measured: float, n: int = 1) -> None:
         """A whole step of `kind` and n decoding sequences took `measured` seconds where the tables predicted
         `predicted`."""
-        key = (kind, _bucket(n))
-        if key not in self._errors:
-            self._errors[key] = _Window(self.window)
-        self._errors[key].append(measured - predicted)
+        bucket = _bucket(n)
+        self._host.clock[bucket] += 1
+        window = self._host.windows.get((kind, bucket))
+        if window is None:
+            window = self._host.windows[(kind, bucket)] = _Window(self.window)
+        window.append(measured - predicted, self._host.clock[bucket])
+
+
+class HostWork:
+    """What a step costs beyond the tables, per (kind, bucket): a `_Window` of samples each, and per bucket a
+    clock (timed steps of any kind there) that dates them. Shared by the engines of one program and settings."""
+
+    def __init__(self):
+        self.windows: dict[tuple, _Window] = {}
+        self.clock: collections.Counter = collections.Counter()
 
 
 class _Window:
-    """The last `size` values and their median, computed once per change (the choice asks for it several
-    times a step)."""
+    """The last `size` values, each with the clock reading it was taken at, and their median, computed once
+    per change (the choice asks for it several times a step)."""
 
     def __init__(self, size: int):
-        self._values: collections.deque = collections.deque(maxlen=size)
-        self._median: Optional[float] = None
+        self._values: collections.deque = collections.deque(maxlen=size)  # (reading, value), oldest first
+        self._median: Optional[tuple] = None  # (first counted, count, median)
 
     def __len__(self) -> int:
         return len(self._values)
 
-    def append(self, value: float) -> None:
-        self._values.append(value)
+    def append(self, value: float, reading: int = 0) -> None:
+        self._values.append((reading, value))
         self._median = None
 
-    def median(self) -> float:
-        if self._median is None:
-            self._median = statistics.median(self._values)
-        return self._median
+    def median(self, after: Optional[int] = None) -> tuple[int, float]:
+        """(count, median) of the values taken after clock reading `after` (None: all of them); (0, 0.0)
+        when there are none."""
+        first = 0
+        if after is not None:
+            while first < len(self._values) and self._values[first][0] <= after:
+                first += 1
+        if self._median is None or self._median[0] != first:
+            count = len(self._values) - first
+            self._median = (first, count, statistics.median(v for _, v in list(self._values)[first:]) if count else 0.0)
+        return self._median[1], self._median[2]
 
 
 def _bucket(n: int) -> int:
@@ -434,7 +463,7 @@ def flush_rows(append_rows: int, n_slots: int, row_bytes: int) -> int:
 _COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
 # What engines of one process on the same program learn online and share: host work per kind of step (by the
 # cost tables' key) and the drafter's global acceptance counts (by program and block).
-_HOST_WORK: dict[tuple, dict] = {}
+_HOST_WORK: dict[tuple, HostWork] = {}
 _GLOBAL_ACCEPTANCE: dict[tuple, tuple[list, list]] = {}
 
 
@@ -738,7 +767,7 @@ class Speculator:
                     *(fr.measure() for fr in self.rounds)))
             _COST_TABLES[key] = tables
         forward, draft, append, *rounds = _COST_TABLES[key]
-        return CostModel(forward, draft, append, padded=cfg.padded, host_work=_HOST_WORK.setdefault(key, {}),
+        return CostModel(forward, draft, append, padded=cfg.padded, host_work=_HOST_WORK.setdefault(key, HostWork()),
                          rounds={fr.name: table for fr, table in zip(self.rounds, rounds)})
 
     def step_done(self, measured_s: float, rows: int, prefill: bool = False) -> None:

@@ -507,6 +507,28 @@ def test_host_work_is_the_median_of_recent_steps_per_kind_and_batch():
     assert costs.residual(PLAIN, 1) == 0.5 and costs.residual(FUSED, 20) == 3.0
 
 
+def test_plain_steps_priced_by_old_samples_are_measured_again():
+    """A plain step priced high by old samples (an engine's first steps) would never be chosen again while
+    rounds win by that price, and never corrected: its samples older than `plain_age` timed steps at the
+    bucket stop counting, so it is priced as unseen (no host work), chosen and measured again. Rounds' samples
+    do not age."""
+    costs = CostModel({1: 1.0}, {1: 0.5}, {1: 0.1}, padded=False, window=9, min_samples=3, plain_age=10)
+    for _ in range(3):
+        costs.record(PLAIN, predicted=1.0, measured=2.0)  # clock 1-3
+    for _ in range(7):
+        costs.record(FUSED, predicted=1.0, measured=1.5)  # clock 4-10: rounds only
+    assert costs.residual(PLAIN) == 1.0 and costs.residual(FUSED) == 0.5
+    costs.record(FUSED, predicted=1.0, measured=1.5)  # clock 11: the first plain sample is too old
+    assert costs.residual(PLAIN) == 0.0  # two samples left, fewer than min_samples: the unseen price
+    for _ in range(3):
+        costs.record(PLAIN, predicted=1.0, measured=1.4)  # measured again: cheaper than the old samples said
+    assert costs.residual(PLAIN) == pytest.approx(0.4)  # median of 1.0, 1.0, 0.4, 0.4, 0.4
+    for _ in range(40):
+        costs.record(PLAIN, predicted=1.0, measured=1.4)
+    assert costs.residual(FUSED) == 0.5  # 40 steps later: rounds keep theirs
+    assert costs.residual(PLAIN, 2) == 0.0  # other buckets have clocks of their own
+
+
 def test_cost_model_never_predicts_a_larger_call_cheaper():
     costs = CostModel({1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0}, {1: 0.5}, {1: 0.1}, padded=False)
     costs.observe("forward", 4, 1.5)  # one quick call at 4 rows: the 4-row entry drops below the 2-row one
