@@ -1,7 +1,8 @@
 """Where an engine step's time goes: per-step time, graph captures and host synchronisations, per mode.
 
-Runs the engine on held-out prompts (each alone, then several at once) with DFlash off (`plain`), with
-fixed blocks and with adaptive speculation, on one artifact (default: the embedded default, exported into a
+Runs the engine on held-out prompts (each alone, then several at once) with DFlash off (`plain`), as a
+DFlash engine that never drafts (`no-drafts`: DFlash's bookkeeping alone), with fixed blocks and with
+adaptive speculation, on one artifact (default: the embedded default, exported into a
 temporary folder). For each mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
 graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram; on
 CUDA it also counts the synchronising calls of one single-prompt run per mode by call site
@@ -29,13 +30,23 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("plain", "fixed", "adaptive")
+MODES = ("plain", "no-drafts", "fixed", "adaptive")
 
 
 def _config(mode: str, device: str):
     from mg.runtime.config import RunConfig
 
-    return RunConfig(device=device, dflash=mode != "plain", speculation="fixed" if mode == "plain" else mode)
+    return RunConfig(device=device, dflash=mode != "plain",
+                     speculation="fixed" if mode in ("plain", "no-drafts") else mode)
+
+
+def _never_draft(engine) -> None:
+    """`no-drafts`: a DFlash engine whose every step is plain (its speculator's choice forced to k = 0): what
+    DFlash's bookkeeping (commits of hidden rows to the draft context, per-step accounting) costs a step on
+    its own, against `plain` (target-only)."""
+    spec = engine.spec
+    spec.choose = lambda decode, rows_left, prefill=False: [0] * len(decode)
+    spec.fuses = lambda batch: False
 
 
 def _timed(engine, reqs) -> float:
@@ -55,6 +66,8 @@ def _engine(artifact, mode: str, device: str):
     from mg.runtime.engine import Engine
 
     engine = Engine(artifact, _config(mode, device))
+    if mode == "no-drafts":
+        _never_draft(engine)
     engine.warm_up()
     return engine
 
