@@ -5,7 +5,9 @@ For each KV layout: export the checkpoint pair, then run the prompts of `--promp
 adaptive, fixed, or both), each prompt alone (per-prompt acceptance and time) and all together
 (throughput), each measurement `--repeats` times (target-only and DFlash interleaved; the fastest run
 is kept). Prints a Markdown table and writes JSON with the distribution per prompt and per block row,
-and the histogram of chosen draft lengths k (k = 0: a plain decode step).
+the histogram of chosen draft lengths k (k = 0: a plain decode step), every run's time, the single
+prompts' total target-only time over their total DFlash time, and how much target-only moved between its
+runs (slowest over fastest): a speed-up within about that spread of 1.0 cannot be told from 1.0.
 
     python scripts/eval_dflash.py --out eval.json                      # the embedded default, on CPU
     python scripts/eval_dflash.py --device cuda --out eval_cuda.json
@@ -108,7 +110,7 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
     lossless = True
 
     def timed(batch, name):
-        """({policy or None: fastest seconds}, {policy or None: (results, stats) of the last run})."""
+        """({policy or None: every run's seconds}, {policy or None: (results, stats) of the last run})."""
         times, last = {}, {}
         for _ in range(repeats):
             for policy in [None] + policies:
@@ -118,10 +120,13 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
                     traces[name] = trace
                 times.setdefault(policy, []).append(s)
                 last[policy] = (res, stats)
-        return {p: min(t) for p, t in times.items()}, last
+        return times, last
 
+    target_spreads = []  # each prompt's target-only runs: slowest over fastest - 1
     for req in reqs:
-        t, runs = timed([req], req.id)
+        runs_s, runs = timed([req], req.id)
+        t = {p: min(r) for p, r in runs_s.items()}
+        target_spreads.append(_spread(runs_s[None]))
         ar = runs[None][0]
         for policy in policies:
             sd, sd_stats = runs[policy]
@@ -130,11 +135,17 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
                 "id": req.id, "prompt_tokens": len(req.prompt), "generated": len(sd[0].tokens),
                 "lossless": ar[0].tokens == sd[0].tokens, "acceptance_length": sd_stats.mean_acceptance_length,
                 "chosen_k_hist": list(sd_stats.chosen_k_hist), "target_only_s": t[None], "dflash_s": t[policy],
-                "speedup": t[None] / t[policy]})
-    t, runs = timed(reqs, "batched")
+                "speedup": t[None] / t[policy], "target_only_runs_s": runs_s[None], "dflash_runs_s": runs_s[policy]})
+    runs_s, runs = timed(reqs, "batched")
+    t = {p: min(r) for p, r in runs_s.items()}
     ar = runs[None][0]
     generated = sum(len(r.tokens) for r in ar)
-    out = {"repeats": repeats, "target_only_tokens_per_s": generated / t[None], "policies": {}}
+    out = {"repeats": repeats, "target_only_tokens_per_s": generated / t[None],
+           # How much the same target-only measurement moved between its runs (the fastest is kept): a
+           # speed-up within about this of 1.0 cannot be told from 1.0 by this run.
+           "target_only_spread": {"single_median": statistics.median(target_spreads),
+                                  "single_max": max(target_spreads), "batched": _spread(runs_s[None])},
+           "policies": {}}
     for policy in policies:
         sd, sd_stats = runs[policy]
         lossless &= all(a.tokens == b.tokens for a, b in zip(ar, sd))
@@ -143,8 +154,13 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
             "batched": {"dflash_tokens_per_s": sum(len(r.tokens) for r in sd) / t[policy],
                         "speedup": t[None] / t[policy],
                         "mean_acceptance_length": sd_stats.mean_acceptance_length, "rounds": sd_stats.rounds,
-                        "chosen_k_hist": list(sd_stats.chosen_k_hist)},
+                        "chosen_k_hist": list(sd_stats.chosen_k_hist), "dflash_runs_s": runs_s[policy],
+                        "target_only_runs_s": runs_s[None]},
             "single_speedup_median": statistics.median(speedups), "single_speedup_min": min(speedups),
+            # The prompts one after another: all target-only time over all DFlash time (a ratio of sums moves
+            # less with one prompt's noisy target-only run than the median and minimum of ratios do).
+            "single_speedup_total": (sum(p["target_only_s"] for p in per_prompt[policy])
+                                     / sum(p["dflash_s"] for p in per_prompt[policy])),
             "acceptance_hist": list(sd_stats.accepted_hist),
             "row_acceptance": _row_acceptance(list(sd_stats.accepted_hist), block),
             "per_prompt": per_prompt[policy],
@@ -153,17 +169,25 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
     return out
 
 
+def _spread(runs: list[float]) -> float:
+    """Slowest run over fastest, minus 1 (0 for one run)."""
+    return max(runs) / min(runs) - 1.0
+
+
 def _table(results: dict) -> str:
     lines = ["| layout | speculation | lossless | batched acceptance length | AR tok/s | DFlash tok/s | batched "
-             "speedup | single-prompt speedup median (min) | chosen k histogram (batched) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "speedup | single-prompt speedup median (min) | single prompts, total time | target-only spread, "
+             "single median (max) / batched | chosen k histogram (batched) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for layout, r in results["layouts"].items():
+        noise = r["target_only_spread"]
         for policy, p in r["policies"].items():
             b = p["batched"]
             lines.append(f"| {layout} | {policy} | {r['lossless_all']} | {b['mean_acceptance_length']:.2f} | "
                          f"{r['target_only_tokens_per_s']:.1f} | {b['dflash_tokens_per_s']:.1f} | "
                          f"{b['speedup']:.2f}x | {p['single_speedup_median']:.2f}x ({p['single_speedup_min']:.2f}x) "
-                         f"| {b['chosen_k_hist']} |")
+                         f"| {p['single_speedup_total']:.2f}x | {noise['single_median']:.0%} "
+                         f"({noise['single_max']:.0%}) / {noise['batched']:.0%} | {b['chosen_k_hist']} |")
     return "\n".join(lines)
 
 
