@@ -170,7 +170,9 @@ class AcceptanceModel:
         if global_counts is None:
             global_counts = ([0.0] * k_max, [0.0] * k_max)
         self._g_hits, self._g_trials = global_counts
-        self._memo: dict = {}  # (slot, k) -> survival, and None -> global rates; cleared by any observation
+        # Cleared by any observation: None -> global rates; slot -> (survival over every row, its running sums);
+        # (slot, k) -> the first k of that survival.
+        self._memo: dict = {}
         self.version = 0  # counts the changes of the estimates (observations, resets)
 
     def global_rates(self) -> list[float]:
@@ -180,27 +182,32 @@ class AcceptanceModel:
             g = self._memo[None] = [(h + s * self.prior) / (n + s) for h, n in zip(self._g_hits, self._g_trials)]
         return g
 
+    def _rows(self, slot: int) -> tuple[list[float], list[float]]:
+        """`slot`'s survival over all k_max rows and its running sums, computed once per observation: the
+        choice asks for several k of every sequence (a round of each block, the draft search)."""
+        out = self._memo.get(slot)
+        if out is None:
+            g, s, hits, trials = self.global_rates(), self.strength, self._hits[slot], self._trials[slot]
+            surv, sums, p, total = [], [], 1.0, 0.0
+            for j in range(self.k_max):
+                p *= (hits[j] + s * g[j]) / (trials[j] + s)
+                total += p
+                surv.append(p)
+                sums.append(total)
+            out = self._memo[slot] = (surv, sums)
+        return out
+
     def survival(self, slot: int, k: int) -> list[float]:
         """P(at least j drafts accepted) for j = 1..k (shared: do not modify). Kept until the next observation:
         while nobody drafts (steps the drafter does not help) the estimates do not change."""
         out = self._memo.get((slot, k))
-        if out is not None:
-            return out
-        g, s, hits, trials = self.global_rates(), self.strength, self._hits[slot], self._trials[slot]
-        out, p = [], 1.0
-        for j in range(k):
-            p *= (hits[j] + s * g[j]) / (trials[j] + s)
-            out.append(p)
-        self._memo[(slot, k)] = out
+        if out is None:
+            out = self._memo[(slot, k)] = self._rows(slot)[0][:k]
         return out
 
     def expected(self, slot: int, k: int) -> float:
-        """Expected accepted drafts of `slot` in a round of k: the sum of `survival(slot, k)` (kept as long)."""
-        key = (slot, k, "sum")
-        out = self._memo.get(key)
-        if out is None:
-            out = self._memo[key] = sum(self.survival(slot, k))
-        return out
+        """Expected accepted drafts of `slot` in a round of k: the sum of `survival(slot, k)`."""
+        return self._rows(slot)[1][k - 1] if k > 0 else 0.0
 
     def observe(self, slot: int, k: int, accepted: int) -> None:
         """A round of k >= 1 drafts accepted `accepted`: rows 1..accepted hit, row accepted+1 missed."""

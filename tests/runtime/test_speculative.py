@@ -393,6 +393,22 @@ def test_acceptance_estimates_shrink_towards_the_global_one():
     assert model.survival(1, 4) == model.survival(2, 4)
 
 
+def test_acceptance_estimates_for_every_k_come_from_one_pass_per_observation():
+    """`expected(slot, k)` is the sum of `survival(slot, k)`, and survival(k) is the first k of survival(k_max),
+    for every k: the choice reads several k of each sequence per step from one pass over its rows."""
+    model = AcceptanceModel(n_slots=2, k_max=6)
+    for accepted in (6, 0, 3, 2):
+        model.observe(0, 6, accepted)
+    for _ in range(2):  # before and after another observation (every estimate computed again)
+        full = model.survival(0, 6)
+        for k in range(7):
+            assert model.survival(0, k) == full[:k]
+            assert model.expected(0, k) == sum(full[:k])
+        assert model.expected(1, 6) == sum(model.survival(1, 6)) > 0.0
+        model.observe(1, 6, 1)
+    assert model.survival(0, 6) != full  # the global rates moved with slot 1's observation
+
+
 def test_probes_back_off_while_drafting_does_not_pay():
     probes = ProbeSchedule(n_slots=1, start=2, cap=8)
     waits = []
