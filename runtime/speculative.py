@@ -6,12 +6,14 @@ The engine asks, each step, for:
   2. `propose(decode, ks)`: the drafts, from one `draft_block` call for the
      sequences with k_i > 0, anchored at their pending token (whose KV is not
      written yet) and conditioned on their committed context;
-  3. after the engine's one target `forward` and acceptance, `observe` (the
-     round's accepted count) and `commit` (hidden rows of committed positions).
+  3. `commit` (hidden rows of committed positions: before the step's host
+     copy those of sequences that did not draft and of prompt chunks, after
+     acceptance those of drafting sequences) and `observe` (the round's
+     accepted count).
 
 Draft context is appended lazily: committed hidden rows wait per sequence
-in one device buffer (a step's commits are one scatter into it, or a copy
-per sequence for one or two), and enter
+in one device buffer (each of a step's one or two commits is one scatter
+into it, or a copy per sequence for one or two sequences), and enter
 the draft cache (one gather, then `draft_append` for all sequences that need it)
 just before that sequence's next draft, or once a sequence has `flush_rows`
 waiting (one to four `draft_append` calls' worth, within WAITING_BYTES). A stretch of k = 0 rounds therefore
@@ -170,8 +172,8 @@ class AcceptanceModel:
         if global_counts is None:
             global_counts = ([0.0] * k_max, [0.0] * k_max)
         self._g_hits, self._g_trials = global_counts
-        # Cleared by any observation: None -> global rates; slot -> (survival over every row, its running sums);
-        # (slot, k) -> the first k of that survival.
+        # Cleared by any observation: None -> global rates; slot -> survival over every row; (slot, k) -> its
+        # first k; (slot, k, "sum") -> their sum.
         self._memo: dict = {}
         self.version = 0  # counts the changes of the estimates (observations, resets)
 
@@ -182,32 +184,34 @@ class AcceptanceModel:
             g = self._memo[None] = [(h + s * self.prior) / (n + s) for h, n in zip(self._g_hits, self._g_trials)]
         return g
 
-    def _rows(self, slot: int) -> tuple[list[float], list[float]]:
-        """`slot`'s survival over all k_max rows and its running sums, computed once per observation: the
-        choice asks for several k of every sequence (a round of each block, the draft search)."""
+    def _rows(self, slot: int) -> list[float]:
+        """`slot`'s survival over all k_max rows, computed once per observation: the choice asks for several k
+        of every sequence (a round of each block, the draft search)."""
         out = self._memo.get(slot)
         if out is None:
             g, s, hits, trials = self.global_rates(), self.strength, self._hits[slot], self._trials[slot]
-            surv, sums, p, total = [], [], 1.0, 0.0
+            out, p = [], 1.0
             for j in range(self.k_max):
                 p *= (hits[j] + s * g[j]) / (trials[j] + s)
-                total += p
-                surv.append(p)
-                sums.append(total)
-            out = self._memo[slot] = (surv, sums)
+                out.append(p)
+            self._memo[slot] = out
         return out
 
     def survival(self, slot: int, k: int) -> list[float]:
-        """P(at least j drafts accepted) for j = 1..k (shared: do not modify). Kept until the next observation:
-        while nobody drafts (steps the drafter does not help) the estimates do not change."""
+        """P(at least j drafts accepted) for j = 1..k, k <= k_max (shared: do not modify). Kept until the next
+        observation: while nobody drafts (steps the drafter does not help) the estimates do not change."""
         out = self._memo.get((slot, k))
         if out is None:
-            out = self._memo[(slot, k)] = self._rows(slot)[0][:k]
+            out = self._memo[(slot, k)] = self._rows(slot)[:k]
         return out
 
     def expected(self, slot: int, k: int) -> float:
-        """Expected accepted drafts of `slot` in a round of k: the sum of `survival(slot, k)`."""
-        return self._rows(slot)[1][k - 1] if k > 0 else 0.0
+        """Expected accepted drafts of `slot` in a round of k: the sum of `survival(slot, k)` (kept as long)."""
+        key = (slot, k, "sum")
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = sum(self.survival(slot, k))
+        return out
 
     def observe(self, slot: int, k: int, accepted: int) -> None:
         """A round of k >= 1 drafts accepted `accepted`: rows 1..accepted hit, row accepted+1 missed."""
@@ -977,15 +981,15 @@ class Speculator:
 
 class WaitingRows:
     """Committed hidden rows waiting to enter the draft cache, in one device buffer of regions of `rows` rows
-    (a live slot's waiting rows at the start of its region, in position order), so a step's commits are one
-    scatter (one copy per sequence for one or two sequences: no index to send) and an append's rows one
+    (a live slot's waiting rows at the start of its region, in position order), so a commit is one scatter
+    (one copy per sequence for one or two sequences: no index to send) and an append's rows one
     gather, however many sequences take part. `rows` must cover what a slot
     can hold between appends: the flush threshold plus one step's writes. Regions go to slots as they first
     commit and come back when they are released; the buffer doubles when every region is taken (starting at
     8, never beyond `n_slots`), so its memory follows the sequences served at once, not the slots declared."""
 
     START_REGIONS = 8
-    COPY_OWNERS = 2  # a step's commits of at most this many sequences go as one copy each (else one scatter)
+    COPY_OWNERS = 2  # a commit of at most this many sequences goes as one copy each (else one scatter)
 
     def __init__(self, n_slots: int, rows: int, width: int, dtype: torch.dtype, device: torch.device):
         self.rows, self.n_slots = rows, n_slots

@@ -36,14 +36,14 @@ MODES = ("plain", "no-drafts", "fixed", "adaptive")
 def _config(mode: str, device: str):
     from mg.runtime.config import RunConfig
 
-    return RunConfig(device=device, dflash=mode != "plain",
-                     speculation="fixed" if mode in ("plain", "no-drafts") else mode)
+    speculation = {"plain": "fixed", "no-drafts": "adaptive"}.get(mode, mode)
+    return RunConfig(device=device, dflash=mode != "plain", speculation=speculation)
 
 
 def _never_draft(engine) -> None:
-    """`no-drafts`: a DFlash engine whose every step is plain (its speculator's choice forced to k = 0): what
-    DFlash's bookkeeping (commits of hidden rows to the draft context, per-step accounting) costs a step on
-    its own, against `plain` (target-only)."""
+    """`no-drafts`: an adaptive DFlash engine whose every step is plain (its speculator's choice forced to
+    k = 0): what DFlash's bookkeeping costs a step on its own, against `plain` (target-only): commits of
+    hidden rows to the draft context, context flushes, observations and step accounting, not the choice."""
     spec = engine.spec
     spec.choose = lambda decode, rows_left, prefill=False: [0] * len(decode)
     spec.fuses = lambda batch: False
