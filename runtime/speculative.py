@@ -58,7 +58,8 @@ calls and fused rounds, and per power-of-two bucket of decoding sequences, as
 the median of the last few such steps, so one slow step (a first call's lazy
 work) cannot price a kind out for long, and no higher than an unseen kind's
 until three were timed; a plain step's samples expire after 64 timed steps at
-their bucket, so a plain step priced high by old samples is measured again. A step's time leaves out the host time of context
+their bucket, so a plain step priced high by old samples is measured again. A
+step's time leaves out the host time of context
 appends (rows committed earlier); steps with prompt chunks, CUDA graph
 captures or a sequence that finished are not timed. A plain step chosen with
 a margin is kept for a few steps without pricing the rounds again.
@@ -132,9 +133,9 @@ class SpecStats:
         return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
 
 
-def _bump(hist: list, i: int) -> None:
+def _bump(hist: list, i: int, count: int = 1) -> None:
     hist.extend([0] * (i + 1 - len(hist)))
-    hist[i] += 1
+    hist[i] += count
 
 
 class DraftModelProposer:
@@ -437,7 +438,7 @@ class _Window:
     def __len__(self) -> int:
         return len(self._values)
 
-    def append(self, value: float, reading: int = 0) -> None:
+    def append(self, value: float, reading: int) -> None:
         self._values.append((reading, value))
         self._median = None
 
@@ -826,8 +827,7 @@ class Speculator:
         hist = self.stats.chosen_k_hist
         if not live:  # a plain step: the common case where the drafter does not pay, kept cheap
             if ks:
-                _bump(hist, 0)
-                hist[0] += len(ks) - 1
+                _bump(hist, 0, len(ks))
             return StepDrafts.none(len(decode))
         for k in ks:
             _bump(hist, k)
