@@ -4,7 +4,7 @@ For each KV layout: export the checkpoint pair, then run the prompts of `--promp
 {"id", "prompt"} per line) greedily with target-only decoding and with DFlash (`--speculation`:
 adaptive, fixed, or both), each prompt alone (per-prompt acceptance and time) and all together
 (throughput), each measurement `--repeats` times (target-only and DFlash interleaved; the fastest run
-is kept). Prints a Markdown table and writes JSON with the distribution per prompt and per block row,
+is kept), every run of a setting on one engine built and warmed up before the first clock starts. Prints a Markdown table and writes JSON with the distribution per prompt and per block row,
 the histogram of chosen draft lengths k (k = 0: a plain decode step), every run's time, the single
 prompts' total target-only time over their total DFlash time, and how much target-only moved between its
 runs (slowest over fastest): a speed-up within about that spread of 1.0 cannot be told from 1.0.
@@ -40,38 +40,55 @@ def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: i
 
 
 _ARTIFACTS: dict = {}
+_ENGINES: dict = {}
 
 
-def _run(artifact_dir: Path, reqs, speculation: str | None, device: str, trace: list | None = None):
-    """One engine (target-only when `speculation` is None) over `reqs`; the artifact is loaded once per
-    process, and the engine built (costs measured, CUDA graphs captured) and run on one short request
-    before the clock starts. `trace`:
-    a list that gets adaptive speculation's choice of every step (`Speculator.trace`)."""
+def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: tuple):
+    """The engine of `artifact_dir` for `speculation` (target-only when None), built once per process: its
+    CUDA graphs captured, its costs measured and one short untimed request (`warm_up`, a prompt) served
+    before any clock starts.
+    Every run of a layout goes through the same two or three engines, as a server's requests go through one:
+    what a DFlash engine learns of a sequence is reset when the sequence ends, and what it learns of the
+    drafter and the step costs is shared by the engines of a process anyway. Timing runs on long-lived
+    engines also lets target-only and DFlash alternate run by run within milliseconds, where building an
+    engine (graph captures) between runs spread them over seconds of a GPU host's drifting speed."""
+    key = (str(artifact_dir), device, speculation)
+    engine = _ENGINES.get(key)
+    if engine is not None:
+        return engine
     from mg.runtime.artifact import load_artifact
     from mg.runtime.config import RunConfig
     from mg.runtime.engine import Engine
+    from mg.runtime.scheduler import Request
 
-    key = (str(artifact_dir), device)
-    if key not in _ARTIFACTS:
-        _ARTIFACTS[key] = load_artifact(artifact_dir, device=device)
+    if (str(artifact_dir), device) not in _ARTIFACTS:
+        _ARTIFACTS[(str(artifact_dir), device)] = load_artifact(artifact_dir, device=device)
     config = RunConfig(device=device, dflash=speculation is not None, speculation=speculation or "adaptive")
-    engine = Engine(_ARTIFACTS[key], config)
+    engine = _ENGINES[key] = Engine(_ARTIFACTS[(str(artifact_dir), device)], config)
     engine.warm_up()  # CUDA graphs of every bucket captured before the clock starts, for every engine alike
     # One short untimed request first: the first steps of an engine after its graphs were captured ran slow
     # on the GPU host in some runs, target-only engines more than DFlash ones (whose cost measurement had
     # run the same calls), which inflated DFlash's single-prompt ratios.
-    from mg.runtime.scheduler import Request
+    engine.run([Request("warm-up", warm_up, 4)])
+    return engine
 
-    engine.run([Request("warm-up", reqs[0].prompt[:8], 4)])
+
+def _run(artifact_dir: Path, reqs, speculation: str | None, device: str, trace: list | None = None):
+    """`reqs` served to the end by the layout's engine for `speculation` (`_engine`), timed; returns (results,
+    the run's DFlash statistics, seconds). `trace`: a list that gets adaptive speculation's choice of every
+    step (`Speculator.trace`)."""
+    engine = _engine(artifact_dir, speculation, device, reqs[0].prompt[:8])
     if engine.spec is not None:
-        engine.spec.stats = type(engine.spec.stats)()  # the statistics are the timed run's
-    if trace is not None and engine.spec is not None:
+        engine.spec.stats = type(engine.spec.stats)()  # the statistics are the run's
         engine.spec.trace = trace
-    t0 = time.perf_counter()
-    results = engine.run(reqs)
-    if device == "cuda":
+    cuda = device == "cuda"
+    if cuda:
         import torch
 
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = engine.run(reqs)
+    if cuda:
         torch.cuda.synchronize()
     return results, engine.spec_stats, time.perf_counter() - t0
 
@@ -166,6 +183,8 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
             "per_prompt": per_prompt[policy],
         }
     out["lossless_all"] = lossless
+    for key in [k for k in _ENGINES if k[0] == str(artifact_dir)]:  # the next layout's engines replace them
+        del _ENGINES[key]
     return out
 
 
