@@ -3,7 +3,8 @@
 A `GraphRunner` serves one program method on CUDA. Per bucket (the padded size of the
 method's leading dimension) it warms the method up once on padding-only inputs, captures
 `call(static_inputs)` (the method run with its caller's op bindings) in a CUDA graph, and from
-then on copies each call's (already padded) inputs into the static buffers and replays. A capture remembers the
+then on copies each call's (already padded) inputs into the static buffers (inputs of one dtype are views of
+one buffer, and host inputs go in one copy) and replays. A capture remembers the
 storage version of the cache it reads (`version()`); when the cache moved its storage
 (growth), the graph is captured again (a recapture) before the next replay.
 
@@ -96,6 +97,20 @@ class _Captured:
     inputs: list  # static input buffers [bucket, ...]
     outputs: list  # static outputs, overwritten by every replay
     version: int  # the storage version the graph read
+    flat: Optional[torch.Tensor] = None  # one buffer the inputs are views of, when they share a dtype
+
+
+def _static_inputs(blank: list) -> tuple[list, Optional[torch.Tensor]]:
+    """The static input buffers of a capture, filled with `blank`: views of one flat buffer when the inputs
+    share a dtype (so host inputs are copied in at once), else a buffer each."""
+    if len({t.dtype for t in blank}) != 1:
+        return [t.clone() for t in blank], None
+    flat = torch.cat([t.reshape(-1) for t in blank])
+    views, at = [], 0
+    for t in blank:
+        views.append(flat.narrow(0, at, t.numel()).view(t.shape))
+        at += t.numel()
+    return views, flat
 
 
 class GraphRunner:
@@ -123,8 +138,13 @@ class GraphRunner:
         if g is None or g.version != version:
             self._drop_stale(version)
             g = self._capture(bucket, version)
-        for buf, x in zip(g.inputs, inputs):
-            buf.copy_(x, non_blocking=True)
+        if g.flat is not None and all(x.device.type == "cpu" for x in inputs):
+            # Host inputs (a step's tokens, positions, slots, rows) go in one host-to-device copy: on a GPU host
+            # each copy costs about as much host time as a kernel launch, and a small step is host-bound.
+            g.flat.copy_(torch.cat([x.reshape(-1) for x in inputs]), non_blocking=True)
+        else:
+            for buf, x in zip(g.inputs, inputs):
+                buf.copy_(x, non_blocking=True)
         g.graph.replay()
         self.counters.replays += 1
         return g.outputs
@@ -137,7 +157,7 @@ class GraphRunner:
     def _capture(self, bucket: int, version: int) -> _Captured:
         if not self._graphs:  # a pool dies with its last graph; torch refuses to capture into a dead one
             self._pool = torch.cuda.graph_pool_handle()
-        inputs = [t.clone() for t in self.blank(bucket)]
+        inputs, flat = _static_inputs(self.blank(bucket))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy inits and Triton compiles happen outside the capture
@@ -163,6 +183,6 @@ class GraphRunner:
         if bucket in self._ever:
             self.counters.recaptures += 1
         self._ever.add(bucket)
-        g = _Captured(graph, inputs, list(outputs), version)
+        g = _Captured(graph, inputs, list(outputs), version, flat)
         self._graphs[bucket] = g
         return g
