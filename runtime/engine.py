@@ -159,11 +159,11 @@ class Engine:
         else:
             drafts = (self.spec.propose(batch.decode, batch.n_drafts) if self.spec is not None
                       else StepDrafts.none(len(batch.decode)))
-            step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens)
+            # The rows whose commit does not wait for acceptance: the forward writes them to the draft context.
+            known = self.spec.reserve_known(batch.decode, drafts.ks, batch.prefill) if self.spec is not None else None
+            step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens, known)
             out = self.runner.forward(step)
             hidden = out[1] if len(out) > 1 else None
-            if self.spec is not None:
-                self._commit_known(batch, step, drafts.ks, hidden)
             accepted, new_tokens = self._accept(step.groups, drafts, out[0])
             self._postprocess(batch, step, drafts, accepted, new_tokens, hidden)
             rows = step.tokens.shape[0]
@@ -201,27 +201,18 @@ class Engine:
         host = torch.cat([result.n_accepted[:, None], result.tokens], dim=1).tolist()  # the one copy per step
         return [row[0] for row in host], [row[1:2 + row[0]] for row in host]
 
-    def _commit_known(self, batch: Batch, step, ks: list[int], hidden) -> None:
-        """Before the step's one host copy: the hidden rows whose commit does not wait for acceptance enter
-        the draft context (a sequence that did not draft commits its one row, a prompt chunk all of its rows).
-        Their host work (the scatter's index and its copy) then runs while an asynchronous device still
-        computes the step instead of after it; on a GPU serving a small model, host work between two steps is
-        the step time (docs/ARCHITECTURE.md section 6.1)."""
-        rows, owners = [], []
-        for seq, k, group in zip(batch.decode, ks, step.groups):
-            if k == 0:
-                rows.append(group[3])
-                owners.append((seq.slot, 1))
-        offset = sum(1 + k for k in ks)
-        for chunk in batch.prefill:
-            rows += range(offset, offset + chunk.length)
-            owners.append((chunk.seq.slot, chunk.length))
-            offset += chunk.length
-        self.spec.commit(hidden, rows, owners)
-
     def _postprocess(self, batch: Batch, step, drafts, accepted, new_tokens, hidden) -> None:
         """After the step's host copy: sequences advance, and the drafting ones commit their verified rows
-        (`_commit_known` committed the others)."""
+        (the forward wrote the others: `Speculator.reserve_known`)."""
+        if not any(drafts.ks):  # a plain step (the common step where the drafter does not pay): nothing to undo
+            for seq in batch.decode:
+                seq.n_cached += 1
+            if self.spec is not None:
+                self.spec.observe_plain(batch.decode)
+            for chunk in batch.prefill:
+                chunk.seq.n_cached += chunk.length
+            self._append_tokens([g[0] for g in step.groups], new_tokens)
+            return
         committed_rows, owners = [], []  # rows of drafting sequences whose hidden state enters the draft context
         for i, seq in enumerate(batch.decode):
             k, a = drafts.ks[i], accepted[i]

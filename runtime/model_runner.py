@@ -13,6 +13,11 @@ can share one loaded program), packing of a scheduled step into the target
 (`compiled.py`; compiled once per program and device in a process, shared by
 every runner), else the program interpreter.
 
+With a hidden sink (`set_hidden_sink`: a DFlash engine's buffer of context rows waiting for the
+drafter), the target `forward` also writes each row's hidden state to the buffer row the step names
+(`StepBatch.hidden_dst`; a scratch row for rows that commit nothing), inside the same CUDA graph, so a
+plain step's context commit costs the host no call of its own.
+
 Padding rows come from each method's blank inputs (the scratch slot at
 position 0; anchors at 0 for `draft_block`), so they never change a live
 sequence. Buckets are 1, 2, 4, ... up to the method's bound (`cuda_graphs.py`).
@@ -61,6 +66,19 @@ class StepBatch:
     draft_tokens: Optional[torch.Tensor] = None
     draft_rows: Optional[torch.Tensor] = None
     draft_src: Optional[torch.Tensor] = None
+    hidden_dst: Optional[torch.Tensor] = None  # [N] int64: each row's row of the hidden sink (with one)
+
+
+@dataclass(frozen=True)
+class HiddenSink:
+    """Where the target `forward` writes its hidden rows itself: row i of a step goes to row
+    `StepBatch.hidden_dst[i]` of `buffer()` (the buffer as it is at the call; `scratch` for rows that commit
+    nothing, padding included). `version()` changes when the buffer moves: graphs that wrote to the old one
+    are captured again."""
+
+    buffer: Callable[[], torch.Tensor]
+    version: Callable[[], int]
+    scratch: int
 
 
 @dataclass(frozen=True)
@@ -115,12 +133,14 @@ class ModelRunner:
         self.compile_stats: Optional[CompileStats] = None
         if config.compiled:
             self._compiled, self.compile_stats = _compiled_methods(artifact, self.device, self._plans, self.ops)
+        self._sink: Optional[HiddenSink] = None
         self._graphs: dict[str, GraphRunner] = {}
         if config.graphs:
             for name, plan in self._plans.items():
                 cache = self.draft_cache if name != C.METHOD_FORWARD else self.cache
-                self._graphs[name] = GraphRunner(self._eager_call(name), self._device_blank(plan),
-                                                 cache.storage_version, self.counters)
+                version = self._forward_version if name == C.METHOD_FORWARD else cache.storage_version
+                self._graphs[name] = GraphRunner(self._eager_call(name), self._device_blank(plan), version,
+                                                 self.counters)
         self._blanks: dict[tuple[str, int], list] = {}
         # Methods whose fp32 matrix products run in TF32 (eagerly and as captured in graphs): the drafter's.
         self._tf32_methods = ({C.METHOD_DRAFT_BLOCK, C.METHOD_DRAFT_APPEND} if with_draft and config.drafter_tf32
@@ -140,6 +160,17 @@ class ModelRunner:
                             f"whole ({cache.capacity} positions); it grows as contexts grow, and CUDA graphs are "
                             f"captured again after each growth")
 
+    def set_hidden_sink(self, sink: HiddenSink) -> None:
+        """From now on `forward` writes hidden rows to `sink` (module docstring). Before the first forward call:
+        its blank inputs and graphs take the sink's input."""
+        if self._blanks or any(g.captured for g in self._graphs.values()):
+            raise RuntimeError("set_hidden_sink after calls were made: blank inputs and graphs would disagree")
+        self._sink = sink
+
+    def _forward_version(self):
+        """What the forward's graphs depend on: the KV storage, and the hidden sink's buffer."""
+        return self.cache.storage_version(), self._sink.version() if self._sink is not None else 0
+
     # ------------------------------------------------------------------ methods
 
     def forward(self, batch: StepBatch) -> list:
@@ -151,7 +182,11 @@ class ModelRunner:
             tokens, rows, src = to_device(torch.cat([tokens, batch.draft_rows, batch.draft_src]), dev).split([n, k, k])
             # In place into the concatenation above (a new tensor), never into batch.tokens.
             tokens = tokens.index_copy_(0, rows, batch.draft_tokens.flatten().index_select(0, src))
-        return self.call(C.METHOD_FORWARD, [tokens, batch.positions, batch.seq_slots, batch.logits_rows], [r, n])
+        inputs = [tokens, batch.positions, batch.seq_slots, batch.logits_rows]
+        if self._sink is not None:  # rows without a destination commit nothing: the scratch row
+            inputs.append(batch.hidden_dst if batch.hidden_dst is not None
+                          else torch.full((n,), self._sink.scratch, dtype=torch.long))
+        return self.call(C.METHOD_FORWARD, inputs, [r, n])
 
     def draft_block(self, tokens: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> torch.Tensor:
         """Proposal logits [B, T-1, V] for blocks tokens [B, T] anchored at positions[:, 0]."""
@@ -180,7 +215,8 @@ class ModelRunner:
         if size is not None and graphs is not None:
             out = graphs.run(size, inputs)
         else:
-            out = self._run(method, [to_device(x, self.device) for x in inputs], size is not None)
+            out = self._run(method, [to_device(x, self.device) for x in inputs], size is not None,
+                            sink=method == C.METHOD_FORWARD)
         if self.call_log is not None:
             self.call_log.append((method, rows, time.perf_counter() - t0))
         return out if size is None else plan.cut(out, live)
@@ -201,10 +237,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ packing
 
-    def pack(self, decode: list, ks: list[int], prefill: list, draft_tokens: Optional[torch.Tensor] = None) -> StepBatch:
+    def pack(self, decode: list, ks: list[int], prefill: list, draft_tokens: Optional[torch.Tensor] = None,
+             hidden_dst: Optional[list[int]] = None) -> StepBatch:
         """Decode sequences write their pending token and `ks[i]` drafts (row i of `draft_tokens` [len(decode),
         width], filled in where the drafts live; every row gets logits: the verify rows), then prefill chunks
-        (the last row gets logits when the chunk ends the prompt)."""
+        (the last row gets logits when the chunk ends the prompt). `hidden_dst`: each row's row of the hidden
+        sink, in that order."""
         tokens, positions, slots, rows, groups = [], [], [], [], []
         draft_rows, draft_src = [], []
         width = draft_tokens.shape[1] if draft_tokens is not None else 0
@@ -229,6 +267,8 @@ class ModelRunner:
         step = StepBatch(as_long(tokens), as_long(positions), as_long(slots), as_long(rows), groups)
         if draft_rows:
             step.draft_tokens, step.draft_rows, step.draft_src = draft_tokens, as_long(draft_rows), as_long(draft_src)
+        if hidden_dst is not None:
+            step.hidden_dst = as_long(hidden_dst)
         return step
 
     # ------------------------------------------------------------------ costs
@@ -245,14 +285,22 @@ class ModelRunner:
     def _blank(self, plan: _Plan, size: int) -> list:
         key = (plan.name, size)
         if key not in self._blanks:
-            self._blanks[key] = plan.blank(size)
+            self._blanks[key] = self._call_blank(plan, size)
         return self._blanks[key]
 
+    def _call_blank(self, plan: _Plan, size: int) -> list:
+        """A call's blank inputs: the method's, and for `forward` with a hidden sink its destinations (all the
+        scratch row)."""
+        blank = plan.blank(size)
+        if plan.name == C.METHOD_FORWARD and self._sink is not None:
+            blank = [*blank, torch.full((size,), self._sink.scratch, dtype=torch.long)]
+        return blank
+
     def _device_blank(self, plan: _Plan) -> Callable[[int], list]:
-        return lambda size: [x.to(self.device) for x in plan.blank(size)]
+        return lambda size: [x.to(self.device) for x in self._call_blank(plan, size)]
 
     def _eager_call(self, method: str) -> Callable[[list], list]:
-        return lambda inputs: self._run(method, inputs, True)
+        return lambda inputs: self._run(method, inputs, True, sink=method == C.METHOD_FORWARD)
 
     @property
     def plans(self) -> dict:
@@ -265,14 +313,22 @@ class ModelRunner:
         graph (`fused_round.py`); they admit the rows in the caches themselves."""
         return self._run(method, inputs, True)
 
-    def _run(self, method: str, inputs: list, padded: bool) -> list:
+    def _run(self, method: str, inputs: list, padded: bool, sink: bool = False) -> list:
         """The method once, without graphs: compiled code for padded calls (every input one bucket long), else
-        the interpreter."""
+        the interpreter. `sink`: the inputs end with the hidden sink's destinations (`forward` through `call`),
+        and the hidden rows are written there."""
+        dst = None
+        if sink and self._sink is not None:
+            inputs, dst = inputs[:-1], inputs[-1]
         compiled = self._compiled.get(method) if padded else None
         with _tf32_matmuls(method in self._tf32_methods):
             if compiled is not None:
-                return compiled(inputs, self.ops)
-            return self.program.run(method, inputs, ops=self.ops)
+                out = compiled(inputs, self.ops)
+            else:
+                out = self.program.run(method, inputs, ops=self.ops)
+        if dst is not None:
+            self._sink.buffer().index_copy_(0, dst, out[1])
+        return out
 
     @property
     def hidden_width(self) -> int:

@@ -6,14 +6,14 @@ The engine asks, each step, for:
   2. `propose(decode, ks)`: the drafts, from one `draft_block` call for the
      sequences with k_i > 0, anchored at their pending token (whose KV is not
      written yet) and conditioned on their committed context;
-  3. `commit` (hidden rows of committed positions: before the step's host
-     copy those of sequences that did not draft and of prompt chunks, after
-     acceptance those of drafting sequences) and `observe` (the round's
-     accepted count).
+  3. `reserve_known` before the forward (the rows of sequences that did not
+     draft and of prompt chunks: the forward writes their hidden states to
+     the rows it names), `commit` after acceptance (drafting sequences'
+     committed rows) and `observe` (the round's accepted count).
 
 Draft context is appended lazily: committed hidden rows wait per sequence
-in one device buffer (each of a step's one or two commits is one scatter
-into it, or a copy per sequence for one or two sequences), and enter
+in one device buffer (written by the forward, or by one scatter after
+acceptance, or a copy per sequence for one or two sequences), and enter
 the draft cache (one gather, then `draft_append` for all sequences that need it)
 just before that sequence's next draft, or once a sequence has `flush_rows`
 waiting (one to four `draft_append` calls' worth, within WAITING_BYTES). A stretch of k = 0 rounds therefore
@@ -91,7 +91,7 @@ from mg.manifests.values import cache_root, write_cache_file
 
 from .config import SPECULATION_FIXED, RunConfig
 from .fused_round import FusedRound, Member
-from .model_runner import ModelRunner, to_device
+from .model_runner import HiddenSink, ModelRunner, to_device
 
 
 class DFlashError(ValueError):
@@ -255,6 +255,11 @@ class ProbeSchedule:
     def plain(self, slot: int) -> None:
         self._since[slot] += 1
 
+    def plain_all(self, slots: list[int]) -> None:
+        since = self._since
+        for slot in slots:
+            since[slot] += 1
+
     def drafted(self, slot: int) -> None:
         self._since[slot] = 0
 
@@ -282,7 +287,9 @@ class CostModel:
     of that kind (PLAIN, DRAFTING: separate calls with drafts, FUSED: one fused round) of n decoding
     sequences costs beyond the tables (host work, which grows with the sequences; on CUDA also the wait for
     the step's one copy to the host): the median of the last `window` steps of the kind at n's power-of-two
-    bucket. One slow step (a first call's lazy work, a pause of the host) moves a median by nothing, where a
+    bucket (`plain_window` for plain steps: they are plentiful, and a GPU host's step times swing by tens of
+    percent for stretches of steps, which a short window of plain steps followed while the rounds' price
+    stood, choosing rounds the drafter did not serve because plain steps looked slow). One slow step (a first call's lazy work, a pause of the host) moves a median by nothing, where a
     mean taken from it would keep a kind that is then rarely chosen priced high for long. A kind not seen at
     a bucket is priced low, not high, so that it is chosen and measured: a plain step at no host work, the
     others at a plain step's; so is one seen fewer than `min_samples` times there, at most. Plain steps'
@@ -295,7 +302,7 @@ class CostModel:
     def __init__(self, forward: dict[int, float], draft: dict[int, float], append: dict[int, float],
                  padded: bool, smoothing: float = 0.2, rounds: Optional[dict[str, dict[int, float]]] = None,
                  window: int = 9, host_work: Optional["HostWork"] = None, min_samples: int = 3,
-                 plain_age: int = 64):
+                 plain_age: int = 64, plain_window: int = 33):
         self.tables = {"forward": dict(forward), "draft": dict(draft), "append": dict(append)}
         for name, table in (rounds or {}).items():  # fused rounds: the whole round's time per bucket of members
             self.tables[name] = dict(table)
@@ -307,6 +314,7 @@ class CostModel:
         self.smoothing = smoothing
         self._host = host_work if host_work is not None else HostWork()
         self.window, self.min_samples, self.plain_age = window, min_samples, plain_age
+        self.plain_window = max(window, plain_window)
         self._monotone: dict[str, dict[int, float]] = {}
         self._known: dict[str, dict[int, float]] = {}  # n -> _predict(name, n) for the tables as they are
         for name in self.tables:
@@ -414,7 +422,7 @@ class CostModel:
         self._host.clock[bucket] += 1
         window = self._host.windows.get((kind, bucket))
         if window is None:
-            window = self._host.windows[(kind, bucket)] = _Window(self.window)
+            window = self._host.windows[(kind, bucket)] = _Window(self.plain_window if kind == PLAIN else self.window)
         window.append(measured - predicted, self._host.clock[bucket])
 
 
@@ -460,7 +468,8 @@ def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-KEEP_MARGIN, KEEP_STEPS = 0.9, 7  # a plain step chosen with a round 10% worse or more is kept for 7 more steps
+KEEP_MARGIN, KEEP_STEPS = 0.9, 15  # a plain step chosen with a round 10% worse or more is kept for 15 more steps
+_NONE: frozenset = frozenset()  # no slot probes this step
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
 WAITING_BYTES = 256 << 20  # committed hidden rows waiting for the drafter, all slots together, at most about this
 
@@ -544,9 +553,11 @@ class Speculator:
                                       runner.hidden_width * runner.hidden_dtype.itemsize)
         self._waiting = WaitingRows(runner.cache.n_slots, self._flush_rows + runner.cache.max_write,
                                     runner.hidden_width, runner.hidden_dtype, runner.device)
+        waiting = self._waiting  # the forward writes the rows `reserve_known` names (its hidden sink)
+        runner.set_hidden_sink(HiddenSink(lambda: waiting.buffer, lambda: waiting.version, WaitingRows.SCRATCH))
         self._appended: dict[int, int] = {}  # slot -> positions in the draft cache
         self._prediction: Optional[tuple[int, int]] = None  # (sequences drafting, context rows to append)
-        self._probing: set[int] = set()  # slots whose draft this round is a probe
+        self._probing: set[int] | frozenset = set()  # slots whose draft this round is a probe
         self._flushed = 0  # context rows appended this step without a draft (a full call's worth waited)
         self._extra: dict[int, float] = {}  # drafting slot -> predicted seconds on top of a plain step
         self._plain_rate = 0.0  # a plain step's tokens per second, as predicted when the round was chosen
@@ -580,11 +591,16 @@ class Speculator:
     def choose(self, decode: list, rows_left: int, prefill: bool = False) -> list[int]:
         """Drafts per decoding sequence this round, summing to at most `rows_left`. `prefill`: prompt chunks
         may join the step (it then cannot fuse, and is priced as separate calls)."""
-        limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
-        self._probing = set()
         self._n = len(decode)  # the step's decoding sequences, for its host work
-        rounds = self._fusable_rounds(decode)
         self._round_now = None
+        if self._kept is not None and not prefill:  # a kept plain step first: the common step of a stretch
+            slots = [s.slot for s in decode]        # the drafter does not serve, so its cheapest path
+            if self._keep_plain(slots):
+                self._probing = _NONE
+                return [0] * len(slots)
+        self._probing = set()
+        limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
+        rounds = self._fusable_rounds(decode)
         if not self.adaptive:  # fused whenever the step turns out to have no prompt chunks (`fuses`)
             ks = []
             for k in limits:
@@ -633,8 +649,6 @@ class Speculator:
         round over the plain step), the round with the best rate runs anyway."""
         c, n = self.costs, len(decode)
         slots = [s.slot for s in decode]
-        if self._keep_plain(slots):
-            return [0] * n
         plain_t = c.forward(n) + c.residual(PLAIN, n)
         rate = n / max(plain_t, 1e-9)  # a plain step's tokens per second
         host, count, expected = c.residual(FUSED, n), self._waiting.count, self.acceptance.expected
@@ -676,7 +690,8 @@ class Speculator:
 
     def _keep_plain(self, slots: list[int]) -> bool:
         """Is this step a plain step because one was chosen, with a margin, at most KEEP_STEPS steps ago, for
-        the same sequences, with no observation since in this engine's estimates, the same cost model object
+        the same sequences (so a step that could fuse then can now: no prompt chunk may join, which `choose`
+        checks), with no observation since in this engine's estimates, the same cost model object
         and no probe due (by the floor its choice computed)? Within those few steps the cost tables and host-work
         windows may move (they are refined in place and shared by engines), as may the global acceptance
         others observe: the margin covers that. Pricing every round again costs tens of microseconds of host
@@ -803,14 +818,16 @@ class Speculator:
             elif self._fused_n:
                 predicted = c.round(self._round_now.name, self._fused_n) + c.append(waiting) + c.append(self._flushed)
             else:
-                predicted = (c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
-                             + c.append(self._flushed))
+                predicted = c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
+                if self._flushed:
+                    predicted += c.append(self._flushed)
             c.record(kind, predicted, measured_s, self._n)
             if self.trace is not None and self.trace and "measured" not in self.trace[-1]:
                 self.trace[-1].update(kind=kind, predicted=predicted, measured=measured_s)
-        if self._probed and timed:
-            self._judge_probes(measured_s)
-        self._probed = {}
+        if self._probed:
+            if timed:
+                self._judge_probes(measured_s)
+            self._probed = {}
         if c is not None and log is not None:
             for method, n, seconds in log:
                 c.observe(_TABLE_OF.get(method, method), n, seconds)  # fused rounds: tables by their name
@@ -823,12 +840,12 @@ class Speculator:
 
     def propose(self, decode: list, ks: list[int]) -> StepDrafts:
         """Drafts for each decoding sequence (k = 0: none); the drafting ones' context is made current first."""
-        live = [(s, k) for s, k in zip(decode, ks) if k > 0]
         hist = self.stats.chosen_k_hist
-        if not live:  # a plain step: the common case where the drafter does not pay, kept cheap
+        if not any(ks):  # a plain step: the common case where the drafter does not pay, kept cheap
             if ks:
                 _bump(hist, 0, len(ks))
-            return StepDrafts.none(len(decode))
+            return StepDrafts(ks, None)
+        live = [(s, k) for s, k in zip(decode, ks) if k > 0]
         for k in ks:
             _bump(hist, k)
         self._append_waiting([s.slot for s, _ in live])
@@ -894,6 +911,11 @@ class Speculator:
 
     # ------------------------------------------------------------------ 3. observe and commit
 
+    def observe_plain(self, decode: list) -> None:
+        """A step in which none of `decode` drafted: `observe(seq, 0, 0)` for each, at once."""
+        if self.adaptive:
+            self.probes.plain_all([s.slot for s in decode])
+
     def observe(self, seq, k: int, accepted: int) -> None:
         """A decode round of `seq` that verified k drafts accepted `accepted` of them."""
         if k == 0:
@@ -910,6 +932,25 @@ class Speculator:
             self.probes.drafted(seq.slot)
             if seq.slot in self._probing:
                 self._probed[seq.slot] = accepted  # judged in step_done, once the step's time is known
+
+    def reserve_known(self, decode: list, ks: list[int], prefill: list) -> list[int]:
+        """Before a step's forward: the hidden sink's row for each of its rows (decode rows, then prompt
+        chunks', as packed). The rows whose commit does not wait for acceptance (a sequence that does not
+        draft: its one row; a prompt chunk: all of its rows) are counted as waiting now, and the forward
+        writes them; the verify rows of drafting sequences go to the scratch row, committed after acceptance
+        (`commit`). Their host work then costs no call of its own: on a GPU serving a small model, host work
+        is the step time (docs/ARCHITECTURE.md section 6.1)."""
+        owners = [(s.slot, 1) for s, k in zip(decode, ks) if k == 0]
+        owners += [(chunk.seq.slot, chunk.length) for chunk in prefill]
+        rows = iter(self._waiting.reserve(owners))
+        scratch, out = WaitingRows.SCRATCH, []
+        for k in ks:
+            if k:
+                out += [scratch] * (1 + k)
+            else:
+                out.append(next(rows))
+        out.extend(rows)  # the prompt chunks' rows, in order
+        return out
 
     def commit(self, hidden: torch.Tensor, rows: list[int], owners: list[tuple[int, int]]) -> None:
         """The step's committed positions: `rows` of the step's hidden states [N, taps*dim], in `owners` order
@@ -986,21 +1027,33 @@ class WaitingRows:
     gather, however many sequences take part. `rows` must cover what a slot
     can hold between appends: the flush threshold plus one step's writes. Regions go to slots as they first
     commit and come back when they are released; the buffer doubles when every region is taken (starting at
-    8, never beyond `n_slots`), so its memory follows the sequences served at once, not the slots declared."""
+    8, never beyond `n_slots`), so its memory follows the sequences served at once, not the slots declared.
+
+    Rows whose commit does not wait for acceptance are `reserve`d before the step's forward, which writes them
+    itself (the model runner's hidden sink, inside its CUDA graph): row 0 of the buffer is a scratch row for
+    the forward's other rows, and `version` counts the buffer's moves (a move captures that graph again)."""
 
     START_REGIONS = 8
     COPY_OWNERS = 2  # a commit of at most this many sequences goes as one copy each (else one scatter)
+    SCRATCH = 0  # the buffer's scratch row: regions start after it
 
     def __init__(self, n_slots: int, rows: int, width: int, dtype: torch.dtype, device: torch.device):
         self.rows, self.n_slots = rows, n_slots
         self.count = [0] * n_slots
+        self.version = 0
         self._region: dict[int, int] = {}  # slot -> region index
         self._free = list(range(min(n_slots, self.START_REGIONS)))[::-1]
-        self._buf = torch.empty(len(self._free) * rows, width, dtype=dtype, device=device)
+        self._buf = torch.empty(1 + len(self._free) * rows, width, dtype=dtype, device=device)
+        self._views: dict[int, torch.Tensor] = {}  # start row -> one-row view of _buf (`_dst`)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The device buffer as it is now ([1 + regions x rows, width]; it moves when it grows)."""
+        return self._buf
 
     @property
     def regions(self) -> int:
-        return self._buf.shape[0] // self.rows
+        return (self._buf.shape[0] - 1) // self.rows
 
     def _base(self, slot: int) -> int:
         region = self._region.get(slot)
@@ -1008,24 +1061,54 @@ class WaitingRows:
             if not self._free:
                 old = self.regions
                 grown = min(self.n_slots, 2 * old)
-                buf = torch.empty(grown * self.rows, self._buf.shape[1], dtype=self._buf.dtype, device=self._buf.device)
-                live = [i for s, r in self._region.items() for i in range(r * self.rows, r * self.rows + self.count[s])]
+                buf = torch.empty(1 + grown * self.rows, self._buf.shape[1], dtype=self._buf.dtype,
+                                  device=self._buf.device)
+                live = [i for s, r in self._region.items()
+                        for i in range(1 + r * self.rows, 1 + r * self.rows + self.count[s])]
                 if live:  # only the waiting rows move (a region is mostly empty: rows waiting between appends)
                     index = to_device(torch.tensor(live, dtype=torch.long), buf.device)
                     buf.index_copy_(0, index, self._buf.index_select(0, index))
-                self._buf = buf
+                self._buf, self._views = buf, {}
+                self.version += 1
                 self._free = list(range(old, grown))[::-1]
             region = self._region[slot] = self._free.pop()
-        return region * self.rows
+        return 1 + region * self.rows
+
+    def reserve(self, owners: list[tuple[int, int]]) -> list[int]:
+        """The buffer rows of the next m waiting rows of each (slot, m) in `owners`, in order, counted as
+        waiting now: the caller has them written (the step's forward) before anything reads them."""
+        self._check(owners)
+        return self._reserve(owners)
+
+    def _reserve(self, owners: list[tuple[int, int]]) -> list[int]:
+        out = []
+        for slot, m in owners:
+            at, base = self.count[slot], self._base(slot)
+            out += range(base + at, base + at + m)
+            self.count[slot] = at + m
+        return out
+
+    def _check(self, owners: list[tuple[int, int]]) -> None:
+        for slot, m in owners:  # an invariant: appends keep every slot under its share (checked before any change)
+            if self.count[slot] + m > self.rows:
+                raise RuntimeError(f"slot {slot} has {self.count[slot]} context rows waiting and commits {m}; its "
+                                   f"buffer holds {self.rows}")
+
+    def _dst(self, start: int, m: int) -> torch.Tensor:
+        """Rows start..start+m-1 of the buffer as a view; one-row views are kept (until the buffer grows): a
+        plain step commits one row per sequence, and on a GPU host making a view costs about half the copy."""
+        if m != 1:
+            return self._buf.narrow(0, start, m)
+        view = self._views.get(start)
+        if view is None:
+            view = self._views[start] = self._buf.narrow(0, start, 1)
+        return view
 
     def put(self, hidden: torch.Tensor, src: list[int], owners: list[tuple[int, int]]) -> None:
         """Rows `src` of `hidden`, the next m waiting rows of each (slot, m) in `owners` in order."""
         if not src:
             return
-        for slot, m in owners:  # an invariant: appends keep every slot under its share (checked before any change)
-            if self.count[slot] + m > self.rows:
-                raise RuntimeError(f"slot {slot} has {self.count[slot]} context rows waiting and commits {m}; its "
-                                   f"buffer holds {self.rows}")
+        self._check(owners)
         if len(owners) <= self.COPY_OWNERS:  # few owners (a lone sequence's step): a copy each, no index to send
             i = 0
             for slot, m in owners:
@@ -1033,19 +1116,14 @@ class WaitingRows:
                     break
                 i += m
             else:
-                i = 0
+                i, whole = 0, hidden.shape[0]
                 for slot, m in owners:
-                    at, base = self.count[slot], self._base(slot)
-                    self._buf.narrow(0, base + at, m).copy_(hidden.narrow(0, src[i], m))
+                    at, base, first = self.count[slot], self._base(slot), src[i]
+                    self._dst(base + at, m).copy_(hidden if first == 0 and m == whole else hidden.narrow(0, first, m))
                     self.count[slot] = at + m
                     i += m
                 return
-        dst = []
-        for slot, m in owners:
-            at = self.count[slot]
-            base = self._base(slot)
-            dst += range(base + at, base + at + m)
-            self.count[slot] = at + m
+        dst = self._reserve(owners)
         n, lo = len(src), src[0]
         if src[-1] - lo == n - 1 and src == list(range(lo, lo + n)):  # consecutive rows (a plain step's): no gather
             self._buf.index_copy_(0, to_device(torch.tensor(dst, dtype=torch.long), self._buf.device),

@@ -158,10 +158,12 @@ def test_greedy_generation_with_graphs_equals_eager_and_cpu(which, request, tiny
         # after a warm-up every capture is a recapture (cache growth), never a bucket's first
         assert warm.graph_counters.captures - before[0] == warm.graph_counters.recaptures - before[1]
         if "dflash" in which:
-            # the drafter ran from graphs: its methods' own, or inside fused rounds' (all a step's drafts can be)
-            assert engine.runner.captured(C.METHOD_DRAFT_APPEND)
-            assert engine.runner.captured(C.METHOD_DRAFT_BLOCK) or any(fr.captured for fr in engine.spec.rounds)
+            # adaptive speculation may find no round worth its time on these prompts; fixed blocks always draft
             assert engine.spec_stats.rounds > 0 or speculation == "adaptive"
+            if engine.spec_stats.rounds:
+                # the drafter ran from graphs: its methods' own, or inside fused rounds' (all a step's drafts can be)
+                assert engine.runner.captured(C.METHOD_DRAFT_APPEND)
+                assert engine.runner.captured(C.METHOD_DRAFT_BLOCK) or any(fr.captured for fr in engine.spec.rounds)
 
 
 @pytest.mark.cuda

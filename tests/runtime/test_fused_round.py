@@ -366,6 +366,10 @@ def test_a_plain_step_chosen_with_a_margin_is_kept_for_a_few_steps(tiny_dflash_c
     assert spec.choose(seqs[:2], 21) == [0, 0] and priced  # other sequences: priced again
     priced.clear()
     assert spec.choose(seqs[:2], 21) == [0, 0] and not priced  # kept
+    separate, best_drafts = [], spec._best_drafts
+    spec._best_drafts = lambda *a: (separate.append(a), best_drafts(*a))[1]
+    assert spec.choose(seqs[:2], 21, prefill=True) == [0, 0] and separate  # prompt chunks may join: not kept,
+    assert spec._round_now is None                                         # priced as separate calls
     costs = spec.costs = _round_costs(engine, 1e-3, {8: 9e-3, 4: 5e-3})  # another cost model: priced again
     spec.costs.round = lambda name, n: (priced.append(name), costs.__class__.round(costs, name, n))[1]
     priced.clear()

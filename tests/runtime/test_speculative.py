@@ -280,11 +280,14 @@ def test_acceptance_after_a_plain_stretch_equals_a_run_that_never_paused(which, 
     assert sum(key in rec_always.seen for key in rec_paused.seen) >= len(rec_paused.seen) // 2
 
 
-def test_commits_that_do_not_wait_for_acceptance_go_before_the_steps_host_copy(tiny_dflash_seq_artifact, tiny_cfg):
-    """A sequence that did not draft commits its one row, and a prompt chunk all of its rows, before the
-    step's one host copy (their host work overlaps the device's forward); a drafting sequence commits what
-    it accepted after the copy. The output stays target-only's, and every draft finds its context complete
-    (checked before each draft)."""
+def test_rows_that_do_not_wait_for_acceptance_are_written_by_the_steps_forward(tiny_dflash_seq_artifact, tiny_cfg):
+    """A sequence that did not draft commits its one row, and a prompt chunk all of its rows, through the
+    step's forward: their rows of the waiting buffer are named before the forward and hold its hidden rows
+    after it, with no commit call of their own; a drafting sequence commits what it accepted after the step's
+    host copy. The output stays target-only's, and every draft finds its context complete (checked before
+    each draft)."""
+    from mg.runtime.speculative import WaitingRows
+
     reqs = _requests(_prompts(tiny_cfg.vocab_size)[1:3], 8, ignore_eos=True)  # prompts of 6 and 13 tokens
     reference = _tokens(_engine(tiny_dflash_seq_artifact, TARGET_ONLY), reqs)
     engine = _engine(tiny_dflash_seq_artifact)
@@ -294,14 +297,24 @@ def test_commits_that_do_not_wait_for_acceptance_go_before_the_steps_host_copy(t
         slots.update({s.request.id: s.slot for s in decode})
         return [min(3, rows_left) if s.request.id == "r0" else 0 for s in decode]
 
-    commit, accept = spec.commit, engine._accept
-    spec.choose = choose
+    def forward(step):
+        out = run(step)
+        dst = step.hidden_dst.tolist()
+        written = [i for i, row in enumerate(dst) if row != WaitingRows.SCRATCH]
+        events.append(("forward", len(written), len(dst)))
+        buffer = spec._waiting.buffer
+        for i in written:  # the forward wrote each named row's hidden state there
+            torch.testing.assert_close(buffer[dst[i]], out[1][i], rtol=0, atol=0)
+        return out
+
+    commit, accept, run = spec.commit, engine._accept, engine.runner.forward
+    spec.choose, engine.runner.forward = choose, forward
     spec.commit = lambda hidden, rows, owners: (owners and events.append(tuple(owners)), commit(hidden, rows, owners))
     engine._accept = lambda *args: (events.append("copy"), accept(*args))[1]
     assert _tokens(engine, reqs) == reference
-    assert events[:2] == [((slots["r0"], 6), (slots["r1"], 13)), "copy"]  # both prompts in one step
+    assert events[:2] == [("forward", 19, 19), "copy"]  # both prompts in one step: all their rows, no commit call
     plain_first, copy, drafted_after = events[2:5]
-    assert plain_first == ((slots["r1"], 1),) and copy == "copy"
+    assert plain_first == ("forward", 1, 5) and copy == "copy"  # r1's one row; r0's pending token and 3 drafts wait
     assert len(drafted_after) == 1 and drafted_after[0][0] == slots["r0"] and 1 <= drafted_after[0][1] <= 4
 
 
@@ -654,6 +667,29 @@ def test_cost_tables_are_measured_again_by_newer_code(monkeypatch):
     assert spec_module._tables_path(key, cpu) == before
     monkeypatch.setattr(spec_module, "_code_digest", lambda: "another version of the runtime")
     assert spec_module._tables_path(key, cpu) != before
+
+
+def test_waiting_rows_one_row_commits_land_in_the_buffer_after_it_grows():
+    """A lone sequence's plain steps commit one row each, the step's whole output, through one-row views of the
+    buffer that are kept: rows committed before the buffer grows and after (when the kept views would point
+    into the old buffer) all come back, in order."""
+    from mg.runtime.speculative import WaitingRows
+
+    wr = WaitingRows(12, 6, 2, torch.float32, torch.device("cpu"))
+    row = lambda v: torch.tensor([[float(v), -float(v)]])  # noqa: E731
+    for v in range(3):
+        wr.put(row(v), [0], [(0, 1)])
+    assert wr.take([0]).tolist() == [[0.0, -0.0], [1.0, -1.0], [2.0, -2.0]]
+    for v in (3, 4):  # the same rows of slot 0's region again: through the kept views
+        wr.put(row(v), [0], [(0, 1)])
+    regions = wr.regions
+    for slot in range(1, regions + 1):  # one slot more than the buffer has regions: it grows
+        wr.put(row(100 + slot), [0], [(slot, 1)])
+    assert wr.regions > regions
+    for v in (5, 6):
+        wr.put(row(v), [0], [(0, 1)])
+    assert wr.take([0]).tolist() == [[float(v), -float(v)] for v in (3, 4, 5, 6)]
+    assert wr.take([regions]).tolist() == [[100.0 + regions, -100.0 - regions]]
 
 
 def test_waiting_rows_keep_each_slots_rows_in_order_through_growth_and_release():
