@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from script_common import add_artifact_args, artifact_dir, int_list
+
 MODES = ("plain", "no-drafts", "adaptive")
 
 
@@ -66,26 +67,15 @@ def _engine(artifact, mode: str, device: str):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("artifact", nargs="?", type=Path, default=None, help="[default: export the embedded default]")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layout", default="sequence", choices=["sequence", "cell"],
-                   help="KV layout of the embedded default's export (ignored with an artifact)")
+    add_artifact_args(p)
     p.add_argument("--batches", default="1", help="comma-separated numbers of sequences decoding at once")
     p.add_argument("--steps", type=int, default=300, help="decode steps per run")
     p.add_argument("--repeats", type=int, default=5, help="runs per engine, alternated; the fastest is kept")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        batches = []
-    if not batches or min(batches) < 1:
-        p.error(f"--batches is {args.batches!r}; allowed: comma-separated integers >= 1")
+    batches = int_list(p, "--batches", args.batches)
     if args.steps < 1 or args.repeats < 1:
         p.error(f"--steps is {args.steps} and --repeats {args.repeats}; allowed: integers >= 1")
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import eval_dflash
 
     from mg.kernels.quiet import quiet_dependencies
     from mg.runtime.artifact import load_artifact
@@ -94,12 +84,7 @@ def main() -> int:
     quiet_dependencies()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        art_dir = args.artifact
-        if art_dir is None:
-            from mg.export.artifact import default_checkpoints
-
-            target, draft = default_checkpoints()
-            art_dir = eval_dflash._export(target, draft, args.layout, Path(tmp) / "default", 1024)
+        art_dir = artifact_dir(args.artifact, args.layout, tmp)
         artifact = load_artifact(art_dir, device=args.device)
         if not artifact.has_draft:
             p.error(f"{art_dir} has no drafter: nothing to compare target-only with")
@@ -130,8 +115,9 @@ def main() -> int:
                 print(f"x{n} {mode}: {r['us_per_step']:.1f} us/step (+{r['over_plain_us']:.1f})", file=sys.stderr)
     lines = ["| sequences | engine | host us/step (fastest) | median | over target-only |", "|---|---|---|---|---|"]
     for r in rows:
+        plain = r["us_per_step"] - r["over_plain_us"]
         lines.append(f"| {r['sequences']} | {r['mode']} | {r['us_per_step']:.1f} | {r['us_per_step_median']:.1f} | "
-                     f"{r['over_plain_us']:+.1f} us ({r['over_plain_us'] / (r['us_per_step'] - r['over_plain_us']):+.0%}) |")
+                     f"{r['over_plain_us']:+.1f} us ({r['over_plain_us'] / plain:+.0%}) |")
     print("\n".join(lines))
     if args.out is not None:
         args.out.write_text(json.dumps({"device": args.device, "artifact": str(art_dir), "steps": steps,

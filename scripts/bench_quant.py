@@ -26,6 +26,8 @@ from math import nan
 
 import torch
 
+from script_common import int_list
+
 SCHEMES = ("bf16", "int8", "int4", "int4-tc", "int8-ref", "int4-ref")
 KERNELS = {"int8": "int8-ref", "int4": "int4-ref", "int4-tc": "int4-ref"}  # each checked against its reference
 
@@ -151,12 +153,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    try:
-        rows = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        rows = []
-    if not rows or min(rows) < 1:
-        p.error(f"--rows is {args.rows!r}; allowed: comma-separated integers >= 1")
+    rows = int_list(p, "--rows", args.rows)
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA device (the kernels it times are CUDA kernels); torch sees none",
               file=sys.stderr)

@@ -29,6 +29,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from script_common import add_artifact_args, artifact_dir, int_list
+
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "no-drafts", "fixed", "adaptive")
 
@@ -97,10 +99,7 @@ def _sync_sites(artifact, mode: str, device: str, reqs) -> dict[str, int]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("artifact", nargs="?", type=Path, default=None, help="[default: export the embedded default]")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layout", default="sequence", choices=["sequence", "cell"],
-                   help="KV layout of the embedded default's export (ignored with an artifact)")
+    add_artifact_args(p)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--batches", default="1,8,20", help="prompts served at once (the first N held-out prompts)")
     p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
@@ -111,12 +110,7 @@ def main() -> int:
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
         p.error(f"--modes is {args.modes!r}; allowed: a comma-separated subset of {', '.join(MODES)}")
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        batches = []
-    if not batches or min(batches) < 1:
-        p.error(f"--batches is {args.batches!r}; allowed: comma-separated integers >= 1")
+    batches = int_list(p, "--batches", args.batches)
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import eval_dflash
@@ -125,12 +119,7 @@ def main() -> int:
 
     quiet_dependencies()
     with tempfile.TemporaryDirectory() as tmp:
-        art_dir = args.artifact
-        if art_dir is None:
-            from mg.export.artifact import default_checkpoints
-
-            target, draft = default_checkpoints()
-            art_dir = eval_dflash._export(target, draft, args.layout, Path(tmp) / "default", 1024)
+        art_dir = artifact_dir(args.artifact, args.layout, tmp)
         from mg.runtime.artifact import load_artifact
 
         reqs = eval_dflash._requests(args.prompts, art_dir, args.max_new_tokens)
