@@ -209,22 +209,19 @@ class Engine:
                 seq.n_cached += 1
             if self.spec is not None:
                 self.spec.observe_plain(batch.decode)
-            for chunk in batch.prefill:
-                chunk.seq.n_cached += chunk.length
-            self._append_tokens([g[0] for g in step.groups], new_tokens)
-            return
-        committed_rows, owners = [], []  # rows of drafting sequences whose hidden state enters the draft context
-        for i, seq in enumerate(batch.decode):
-            k, a = drafts.ks[i], accepted[i]
-            self._advance(seq, k, a)
-            if k and self.spec is not None:
-                first = step.groups[i][3]
-                committed_rows += range(first, first + a + 1)
-                owners.append((seq.slot, a + 1))
+        else:
+            committed_rows, owners = [], []  # rows of drafting sequences whose hidden state enters the draft context
+            for i, seq in enumerate(batch.decode):
+                k, a = drafts.ks[i], accepted[i]
+                self._advance(seq, k, a)
+                if k and self.spec is not None:
+                    first = step.groups[i][3]
+                    committed_rows += range(first, first + a + 1)
+                    owners.append((seq.slot, a + 1))
+            if owners:
+                self.spec.commit(hidden, committed_rows, owners)
         for chunk in batch.prefill:
             chunk.seq.n_cached += chunk.length
-        if owners:
-            self.spec.commit(hidden, committed_rows, owners)
         self._append_tokens([g[0] for g in step.groups], new_tokens)
 
     def _fused_step(self, batch: Batch) -> None:

@@ -289,8 +289,8 @@ class CostModel:
     the step's one copy to the host): the median of the last `window` steps of the kind at n's power-of-two
     bucket (`plain_window` for plain steps: they are plentiful, and a GPU host's step times swing by tens of
     percent for stretches of steps, which a short window of plain steps followed while the rounds' price
-    stood, choosing rounds the drafter did not serve because plain steps looked slow). One slow step (a first call's lazy work, a pause of the host) moves a median by nothing, where a
-    mean taken from it would keep a kind that is then rarely chosen priced high for long. A kind not seen at
+    stood, choosing rounds the drafter did not serve because plain steps looked slow). One slow step (a first
+    call's lazy work, a pause of the host) moves a median by nothing, where a mean taken from it would keep a kind that is then rarely chosen priced high for long. A kind not seen at
     a bucket is priced low, not high, so that it is chosen and measured: a plain step at no host work, the
     others at a plain step's; so is one seen fewer than `min_samples` times there, at most. Plain steps'
     samples also age: those older than `plain_age` timed steps at their bucket no longer count, so a plain
@@ -1096,7 +1096,8 @@ class WaitingRows:
 
     def _dst(self, start: int, m: int) -> torch.Tensor:
         """Rows start..start+m-1 of the buffer as a view; one-row views are kept (until the buffer grows): a
-        plain step commits one row per sequence, and on a GPU host making a view costs about half the copy."""
+        fused round's members that did not draft commit one row each, and on a GPU host making a view costs
+        about half the copy."""
         if m != 1:
             return self._buf.narrow(0, start, m)
         view = self._views.get(start)
