@@ -100,3 +100,30 @@ def test_cancel_frees_a_running_sequence_and_drops_a_waiting_one_without_changin
     assert done["keep"].tokens == alone  # greedy: the others' tokens do not depend on the cancelled ones
     assert "c0" not in done and waiting[0] not in done
     assert all(n == 0 for n in engine.cache.metrics().lengths)
+
+
+def test_greedy_plain_step_acceptance_equals_the_general_acceptance(tiny_seq_artifact, tiny_cfg, monkeypatch):
+    """A greedy step without drafts takes the argmax shortcut in `Engine._accept`; it must give what the
+    device acceptance (`spec_accept.accept`, no drafts) gives, ties included (the first maximum wins)."""
+    from types import SimpleNamespace
+
+    import mg.runtime.engine as engine_module
+    from mg.runtime.sampling import SamplingBatch
+    from mg.runtime.spec_accept import accept
+    from mg.runtime.speculative import StepDrafts
+
+    engine = Engine(load_artifact(tiny_seq_artifact))
+    b, vocab = 5, tiny_cfg.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(b + 2, vocab, generator=gen)  # two rows past the groups (padding): not read
+    logits[1, [7, vocab - 1]] = logits[1].max() + 1.0  # a tie: token 7 must win
+    seqs = [SimpleNamespace(request=SimpleNamespace(sampling=SamplingParams()), n_generated=i) for i in range(b)]
+    groups = [(s, i, 1, i) for i, s in enumerate(seqs)]
+    with monkeypatch.context() as m:  # the shortcut is taken: the general acceptance is not called
+        m.setattr(engine_module, "accept", lambda *a: pytest.fail("greedy plain step ran the general acceptance"))
+        accepted, tokens = engine._accept(groups, StepDrafts.none(b), logits)
+    ref = accept(torch.zeros(b, 0, dtype=torch.long), None, logits[:b, None, :], torch.zeros(b, dtype=torch.long),
+                 SamplingBatch.from_params([SamplingParams()] * b), torch.arange(b))
+    assert accepted == ref.n_accepted.tolist() == [0] * b
+    assert tokens == ref.tokens.tolist()
+    assert tokens[1] == [7]
