@@ -82,7 +82,8 @@ class Batch:
         return bool(self.decode or self.prefill)
 
 
-# (decode sequences, rows left in the step) -> draft rows per sequence, summing to at most those rows
+# (decode sequences, rows left in the step, whether prompt chunks may join the step) -> draft rows per sequence,
+# summing to at most those rows
 DraftRows = Callable[[list, int], list]
 
 
@@ -145,26 +146,35 @@ class Scheduler:
 
     def schedule(self, draft_rows: Optional[DraftRows] = None) -> Batch:
         """The next step: every decoding sequence writes its pending token, prompt chunks take what is left
-        of `max_write`, and the draft rows `draft_rows(decode, rows_left)` gives fill the rest. Prompt rows
+        of `max_write`, and the draft rows `draft_rows(decode, rows_left, prompts)` gives fill the rest (`prompts`:
+        some running sequence is in prefill, so prompt chunks may join). Prompt rows
         come before drafts: every prompt token must be computed, a finished prompt joins the decoding batch,
         and a draft row is a bet (with drafts first, 8 sequences drafting 15 rows each left a 128-row step 8
         rows of prefill, and 12 admitted prompts waited for dozens of steps)."""
         self._admit()
-        decode = [s for s in self.running if not s.in_prefill][:self.max_write]
+        decode, prompting, prompt_rows = [], [], 0  # one pass: this runs every step
+        for seq in self.running:
+            left = len(seq.tokens) - seq.n_cached
+            if left > 1:  # in prefill
+                prompting.append(seq)
+                prompt_rows += left
+            elif len(decode) < self.max_write:
+                decode.append(seq)
         budget = self.max_write - len(decode)
-        prompt_rows = sum(len(s.tokens) - s.n_cached for s in self.running if s.in_prefill)
         rows_left = max(0, budget - prompt_rows)
-        n_drafts = list(draft_rows(decode, rows_left)) if draft_rows is not None and decode else [0] * len(decode)
+        n_drafts = (list(draft_rows(decode, rows_left, bool(prompting))) if draft_rows is not None and decode
+                    else [0] * len(decode))
         if len(n_drafts) != len(decode) or sum(n_drafts) > rows_left or min(n_drafts, default=0) < 0:
             raise RuntimeError(f"draft rows {n_drafts} for {len(decode)} sequences exceed the {rows_left} rows left")
         budget -= sum(n_drafts)
         prefill: list[Chunk] = []
-        for seq in self.running:
-            if seq.in_prefill and budget > 0:
-                remaining = len(seq.tokens) - seq.n_cached
-                n = min(remaining, budget)
-                prefill.append(Chunk(seq, seq.n_cached, n, n == remaining))
-                budget -= n
+        for seq in prompting:
+            if budget <= 0:
+                break
+            remaining = len(seq.tokens) - seq.n_cached
+            n = min(remaining, budget)
+            prefill.append(Chunk(seq, seq.n_cached, n, n == remaining))
+            budget -= n
         return Batch(decode, n_drafts, prefill)
 
     def append(self, seq: Sequence, new_tokens: list[int]) -> Optional[str]:

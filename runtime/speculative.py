@@ -77,6 +77,7 @@ import functools
 import hashlib
 import heapq
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -251,6 +252,10 @@ class ProbeSchedule:
     def due(self, slot: int, share: float = 1.0, floor: float = 0.0) -> bool:
         """Has `slot` waited `share` of its wait (at least `floor` steps, or the floor its last probe set)?"""
         return self._since[slot] >= share * max(self._wait[slot], floor, self._floor[slot])
+
+    def steps_until_due(self, slot: int, floor: float = 0.0) -> int:
+        """Plain steps after which `slot` is due (`due(slot, 1.0, floor)`), counted from now (<= 0: due now)."""
+        return math.ceil(max(self._wait[slot], floor, self._floor[slot])) - self._since[slot]
 
     def plain(self, slot: int) -> None:
         self._since[slot] += 1
@@ -573,6 +578,7 @@ class Speculator:
         self.fused = next((r for r in self.rounds if r.block == block), None)  # the full block's rounds
         self._round_now: Optional[FusedRound] = None  # this step's fused round, if anyone drafts (as chosen)
         self._kept: Optional[tuple] = None  # a plain step chosen with a margin, kept for the next steps (_choose_round)
+        self._steps = 0  # steps chosen so far (`choose` calls): the clock of kept plain steps
         self._fused_n = 0  # members of the fused round run this step (0: none)
         self._n = 0
         self._captures = runner.counters.captures  # graph captures inside a step: its time is not the step's
@@ -593,6 +599,7 @@ class Speculator:
         may join the step (it then cannot fuse, and is priced as separate calls)."""
         self._n = len(decode)  # the step's decoding sequences, for its host work
         self._round_now = None
+        self._steps += 1
         if self._kept is not None and not prefill:  # a kept plain step first: the common step of a stretch
             slots = [s.slot for s in decode]        # the drafter does not serve, so its cheapest path
             if self._keep_plain(slots):
@@ -678,7 +685,9 @@ class Speculator:
             self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=floor)}
             if not self._probing:
                 if best_rate <= KEEP_MARGIN * rate:
-                    self._kept = (slots, self.acceptance, self.acceptance.version, c, floor, KEEP_STEPS)
+                    until = self._keep_until(slots, floor)
+                    if until > self._steps:
+                        self._kept = (slots, self.acceptance, self.acceptance.version, c, until)
                 return [0] * n
         self._round_now = fr
         if self.trace is not None:
@@ -692,22 +701,28 @@ class Speculator:
         """Is this step a plain step because one was chosen, with a margin, at most KEEP_STEPS steps ago, for
         the same sequences (so a step that could fuse then can now: no prompt chunk may join, which `choose`
         checks), with no observation since in this engine's estimates, the same cost model object
-        and no probe due (by the floor its choice computed)? Within those few steps the cost tables and host-work
-        windows may move (they are refined in place and shared by engines), as may the global acceptance
-        others observe: the margin covers that. Pricing every round again costs tens of microseconds of host
-        time per step, a tenth of a plain step on a GPU."""
-        kept, self._kept = self._kept, None
-        if kept is None:
+        and no probe due? Within those few steps the cost tables and host-work windows may move (they are
+        refined in place and shared by engines), as may the global acceptance others observe: the margin covers
+        that. Pricing every round again costs tens of microseconds of host time per step, a tenth of a plain
+        step on a GPU; the check is a few comparisons (the last kept step was computed when the plain step was
+        chosen, `_keep_until`)."""
+        kept_slots, acceptance, version, costs, until = self._kept
+        if (self._steps > until or kept_slots != slots or acceptance is not self.acceptance
+                or version != acceptance.version or costs is not self.costs):
+            self._kept = None
             return False
-        kept_slots, acceptance, version, costs, floor, left = kept
-        if (left <= 0 or kept_slots != slots or acceptance is not self.acceptance or version != acceptance.version
-                or costs is not self.costs or any(self.probes.due(slot, 1.0, floor=floor) for slot in slots)):
-            return False
-        self._kept = (kept_slots, acceptance, version, costs, floor, left - 1)
         self._prediction = (0, 0)
         if self.trace is not None:
             self.trace.append({"n": len(slots), "chose": 0, "kept": True})
         return True
+
+    def _keep_until(self, slots: list[int], floor: float) -> int:
+        """The last step (`_steps`) a plain step chosen now is kept for: KEEP_STEPS more, and none at or after
+        the first step at which one of `slots` has a probe due (by `floor`, as the choice computed it). A slot's
+        plain-step count grows by at most one per step, so no due probe is ever skipped; a drafting step
+        changes the estimates' version, which ends the keeping too."""
+        steps = min(self.probes.steps_until_due(slot, floor) for slot in slots)
+        return self._steps + min(KEEP_STEPS, steps - 1)
 
     def _best_drafts(self, decode: list, limits: list[int], rows_left: int) -> list[int]:
         """The draft rows with the most expected committed tokens per second (module docstring)."""
@@ -940,6 +955,8 @@ class Speculator:
         writes them; the verify rows of drafting sequences go to the scratch row, committed after acceptance
         (`commit`). Their host work then costs no call of its own: on a GPU serving a small model, host work
         is the step time (docs/ARCHITECTURE.md section 6.1)."""
+        if not prefill and not any(ks):  # a plain step: one row each
+            return self._waiting.reserve_one_each([s.slot for s in decode])
         owners = [(s.slot, 1) for s, k in zip(decode, ks) if k == 0]
         owners += [(chunk.seq.slot, chunk.length) for chunk in prefill]
         rows = iter(self._waiting.reserve(owners))
@@ -1079,6 +1096,18 @@ class WaitingRows:
         waiting now: the caller has them written (the step's forward) before anything reads them."""
         self._check(owners)
         return self._reserve(owners)
+
+    def reserve_one_each(self, slots: list[int]) -> list[int]:
+        """`reserve([(slot, 1) for slot in slots])` for distinct slots (a plain step's), in one pass."""
+        count, rows = self.count, self.rows
+        if any(count[slot] >= rows for slot in slots):
+            self._check([(slot, 1) for slot in slots])  # raises, naming the slot
+        out = []
+        for slot in slots:
+            at = count[slot]
+            out.append(self._base(slot) + at)
+            count[slot] = at + 1
+        return out
 
     def _reserve(self, owners: list[tuple[int, int]]) -> list[int]:
         out = []

@@ -778,7 +778,8 @@ def test_prompt_rows_come_before_draft_rows_in_a_step():
     sched.submit(Request("b", tuple(range(4, 18)), 10))  # 14 prompt tokens
     asked = []
 
-    def draft_rows(decode, rows_left):
+    def draft_rows(decode, rows_left, prompts):
+        assert prompts  # b's prompt (then c's) is in prefill
         asked.append(rows_left)
         return [rows_left] + [0] * (len(decode) - 1)
 
