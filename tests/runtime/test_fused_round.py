@@ -366,6 +366,16 @@ def test_a_plain_step_chosen_with_a_margin_is_kept_for_a_few_steps(tiny_dflash_c
     assert spec.choose(seqs[:2], 21) == [0, 0] and priced  # other sequences: priced again
     priced.clear()
     assert spec.choose(seqs[:2], 21) == [0, 0] and not priced  # kept
+    spec.acceptance.observe(0, 7, 0)  # priced again below; a probe due in 4 plain steps keeps it 3 steps only
+    due_in = spec.probes.steps_until_due
+    spec.probes.steps_until_due = lambda slot, floor: 4 if slot == 1 else due_in(slot, floor)
+    choices = []
+    for _ in range(5):
+        priced.clear()
+        spec.choose(seqs[:2], 21)
+        choices.append(bool(priced))
+    assert choices == [True, False, False, False, True]
+    spec.probes.steps_until_due = due_in
     separate, best_drafts = [], spec._best_drafts
     spec._best_drafts = lambda *a: (separate.append(a), best_drafts(*a))[1]
     assert spec.choose(seqs[:2], 21, prefill=True) == [0, 0] and separate  # prompt chunks may join: not kept,

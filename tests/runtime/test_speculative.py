@@ -422,6 +422,21 @@ def test_acceptance_estimates_for_every_k_come_from_one_pass_per_observation():
     assert model.survival(0, 6) != full  # the global rates moved with slot 1's observation
 
 
+def test_steps_until_due_counts_the_plain_steps_before_a_probe_is_due():
+    """What a kept plain step relies on: after exactly `steps_until_due` plain steps `due` holds, not before,
+    whatever the wait, the step's floor or the floor a costly probe left."""
+    probes = ProbeSchedule(n_slots=1, start=3, cap=16)
+    for paid, probe_floor, floor in ((True, 0.0, 0.0), (False, 0.0, 5.5), (False, 9.25, 2.0), (False, 0.0, 0.0)):
+        probes.drafted(0)
+        probes.probed(0, paid=paid, floor=probe_floor)
+        for _ in range(2):
+            left = probes.steps_until_due(0, floor)
+            for _ in range(max(left, 0)):
+                assert not probes.due(0, 1.0, floor=floor)
+                probes.plain(0)
+            assert probes.due(0, 1.0, floor=floor) and probes.steps_until_due(0, floor) <= 0
+
+
 def test_probes_back_off_while_drafting_does_not_pay():
     probes = ProbeSchedule(n_slots=1, start=2, cap=8)
     waits = []
