@@ -84,7 +84,7 @@ class Batch:
 
 # (decode sequences, rows left in the step, whether prompt chunks may join the step) -> draft rows per sequence,
 # summing to at most those rows
-DraftRows = Callable[[list, int], list]
+DraftRows = Callable[[list, int, bool], list]
 
 
 @dataclass
