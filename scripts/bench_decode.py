@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from proc_status import status_gb
+from script_common import int_list
 
 PROMPT = 64  # prompt tokens per request
 BLOCK = 16  # DFlash block (the medium drafter's)
@@ -348,10 +349,10 @@ def main() -> None:
     from mg.kernels.quiet import quiet_dependencies
 
     quiet_dependencies()  # the exporter's dependencies log import-time noise
-    args.batches = [int(x) for x in args.batches.split(",")]
-    args.dflash_batches = [int(x) for x in args.dflash_batches.split(",") if x]
-    args.e2e_batches = args.dflash_batches if args.e2e_batches is None else [
-        int(x) for x in args.e2e_batches.split(",") if x]
+    args.batches = int_list(p, "--batches", args.batches)
+    args.dflash_batches = int_list(p, "--dflash-batches", args.dflash_batches, empty=True)
+    args.e2e_batches = (args.dflash_batches if args.e2e_batches is None
+                        else int_list(p, "--e2e-batches", args.e2e_batches, empty=True))
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_decode: --device cuda, but torch sees no CUDA device")
     if args.quantize_head and args.weights == "float":

@@ -29,12 +29,15 @@ def artifact_dir(artifact: Path | None, layout: str, tmp: Path) -> Path:
     return eval_dflash._export(target, draft, layout, Path(tmp) / "default", 1024)
 
 
-def int_list(p: argparse.ArgumentParser, option: str, text: str) -> list[int]:
-    """`text` as comma-separated integers >= 1, or the parser's error (one line, exit 2) naming `option`."""
+def int_list(p: argparse.ArgumentParser, option: str, text: str, empty: bool = False) -> list[int]:
+    """`text` as comma-separated integers >= 1, or the parser's error (one line, exit 2) naming `option`.
+    `empty`: '' is allowed too (none)."""
+    if empty and text == "":
+        return []
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        p.error(f"{option} is {text!r}; allowed: comma-separated integers >= 1")
+        p.error(f"{option} is {text!r}; allowed: comma-separated integers >= 1" + (" or ''" if empty else ""))
     return values
