@@ -186,12 +186,13 @@ class Engine:
             return [], []
         width = max(n for _, _, n, _ in groups)
         seqs = [g[0] for g in groups]
-        if width == 1 and groups[-1][1] == b - 1 and self._sampling_batch(seqs, logits.device).all_greedy:
+        dev = logits.device
+        sampling = self._sampling_batch(seqs, dev)
+        if width == 1 and groups[-1][1] == b - 1 and sampling.all_greedy:
             # Greedy with no drafts (a plain step): group i's logits are row i, and acceptance is its argmax.
             # Two calls instead of about fifteen: on a GPU serving a small model the host's calls are the step.
             tokens = (logits if logits.shape[0] == b else logits.narrow(0, 0, b)).argmax(dim=-1).tolist()
             return [0] * b, [[t] for t in tokens]
-        dev = logits.device
         # Logits rows of each group (its last row repeated up to the width), drafts per group and output
         # counters: one host-to-device copy, which never waits for the device.
         host = [first + min(j, n - 1) for _, first, n, _ in groups for j in range(width)]
@@ -202,7 +203,7 @@ class Engine:
             cols = min(width - 1, drafts.tokens.shape[1])
             draft[:len(drafts.ks), :cols] = drafts.tokens[:, :cols]  # decode groups come first
         result = accept(draft, None, logits.index_select(0, index).view(b, width, -1),
-                        n_draft, self._sampling_batch(seqs, dev), counters)
+                        n_draft, sampling, counters)
         host = torch.cat([result.n_accepted[:, None], result.tokens], dim=1).tolist()  # the one copy per step
         return [row[0] for row in host], [row[1:2 + row[0]] for row in host]
 
