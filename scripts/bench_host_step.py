@@ -2,8 +2,10 @@
 
 On a GPU serving a small model (the embedded default) a decode step is host-bound: the host's Python and
 torch calls take longer than the device's forward. This benchmark serves prompts with the target `forward`
-replaced by outputs computed once (so each step costs exactly its host work: scheduling, packing,
-acceptance on the device tensors, bookkeeping, the speculator's choice), three engines side by side:
+method's execution replaced by outputs computed once, so each step costs its host work: scheduling, the
+speculator's choice, packing, the model runner's call path (padding to a bucket, the cache's admission, the
+inputs' copy to the device and, with CUDA graphs, the replay of a graph that holds no model kernels),
+acceptance on the device tensors and bookkeeping. Three engines side by side:
 
     plain       target-only
     no-drafts   a DFlash engine whose choice is forced to k = 0 (its commits, observations, step accounting)
@@ -11,10 +13,10 @@ acceptance on the device tensors, bookkeeping, the speculator's choice), three e
                 probes): every step is a plain step chosen by the real choice (fused rounds on, as on CUDA)
 
 Runs alternate between the engines (`--repeats` rounds, the fastest kept) and the table gives microseconds
-per step and each DFlash engine's excess over target-only. With CUDA graphs the forward writes the hidden
-rows of plain steps to the drafter's waiting buffer inside its graph; with the forward replaced, that write
-is not counted (on CPU it is one `index_copy_` inside the real eager forward). Draft-context appends (one per
-several hundred rows) are skipped. Prints Markdown; `--out` writes JSON.
+per step and each DFlash engine's excess over target-only. The forward's write of plain steps' hidden rows to
+the drafter's waiting buffer is kept (inside the graph with CUDA graphs, one `index_copy_` on CPU).
+Draft-context appends (one per several hundred rows) are skipped. `--padded` pads calls to their buckets on
+the CPU too, as CUDA graphs do. Prints Markdown; `--out` writes JSON.
 
     python scripts/bench_host_step.py --batches 1,8
     python3 scripts/bench_host_step.py --device cuda --out host_step_cuda.json
@@ -35,22 +37,33 @@ from script_common import add_artifact_args, artifact_dir, int_list
 MODES = ("plain", "no-drafts", "adaptive")
 
 
-def _engine(artifact, mode: str, device: str):
+def _engine(artifact, mode: str, device: str, padded: bool):
     import torch
 
+    from mg.manifests import constants as C
     from mg.runtime.config import RunConfig
     from mg.runtime.engine import Engine
     from mg.runtime.speculative import AcceptanceModel, ProbeSchedule
 
     engine = Engine(artifact, RunConfig(device=device, dflash=mode != "plain", speculation="adaptive",
-                                        fused_rounds=True))
+                                        fused_rounds=True, pad_steps=True if padded else None))
     runner, spec = engine.runner, engine.spec
     rows = runner.cache.max_write
     logits = torch.zeros(rows, artifact.manifest.model.vocab_size, device=device)
     logits[:, 7] = 1.0  # every step samples token 7: no EOS, the same work every step
-    hidden = torch.zeros(rows, runner.hidden_width, device=device) if spec is not None else None
-    runner.forward = lambda step: [logits[:step.logits_rows.shape[0]]] + (
-        [hidden[:step.tokens.shape[0]]] if hidden is not None else [])
+    hidden = (torch.zeros(rows, runner.hidden_width, dtype=runner.hidden_dtype, device=device) if spec is not None
+              else None)
+    execute = runner._run  # the method's execution under the runner's call path (graphs capture what it does)
+
+    def fixed_forward(method, inputs, padded_call, sink=False):
+        if method != C.METHOD_FORWARD:
+            return execute(method, inputs, padded_call, sink)
+        out = [logits[:inputs[3].shape[0]]] + ([hidden[:inputs[0].shape[0]]] if hidden is not None else [])
+        if sink and hidden is not None:  # the hidden sink's write, as the real forward does it
+            runner._sink.buffer().index_copy_(0, inputs[-1], out[1])
+        return out
+
+    runner._run = fixed_forward
     if spec is not None:
         runner.draft_append = lambda *args: None
         runner.call_log = None  # calls are not timed, as on CUDA
@@ -71,6 +84,8 @@ def main() -> int:
     p.add_argument("--batches", default="1", help="comma-separated numbers of sequences decoding at once")
     p.add_argument("--steps", type=int, default=300, help="decode steps per run")
     p.add_argument("--repeats", type=int, default=5, help="runs per engine, alternated; the fastest is kept")
+    p.add_argument("--padded", action="store_true",
+                   help="pad calls to their buckets on the CPU too (as with CUDA graphs; always so on CUDA)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     batches = int_list(p, "--batches", args.batches)
@@ -91,7 +106,7 @@ def main() -> int:
         capacity = artifact.manifest.kv.capacity
         prompt = tuple(range(10, 40))
         steps = min(args.steps, capacity - len(prompt) - 1)
-        engines = {mode: _engine(artifact, mode, args.device) for mode in MODES}
+        engines = {mode: _engine(artifact, mode, args.device, args.padded) for mode in MODES}
         for n in batches:
             runs = {mode: [] for mode in MODES}
             for rep in range(args.repeats):
@@ -121,7 +136,8 @@ def main() -> int:
     print("\n".join(lines))
     if args.out is not None:
         args.out.write_text(json.dumps({"device": args.device, "artifact": str(art_dir), "steps": steps,
-                                        "repeats": args.repeats, "rows": rows}, indent=2) + "\n")
+                                        "repeats": args.repeats, "padded": args.padded or args.device == "cuda",
+                                        "rows": rows}, indent=2) + "\n")
     return 0
 
 
