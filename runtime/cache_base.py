@@ -167,11 +167,17 @@ class KVCache(abc.ABC):
             raise CacheError(f"the step has N={n} tokens; allowed: at most max_write={self.max_write}")
         by_slot: dict[int, list[int]] = {}
         tokens = []
+        scratch, capacity = self.scratch_slot, self.capacity
         for i, (slot, pos) in enumerate(zip(seq_slots.tolist(), positions.tolist())):
-            self._check_row(i, slot, pos)
-            if slot != self.scratch_slot:
-                by_slot.setdefault(slot, []).append(pos)
-                tokens.append((slot, pos))
+            if not (0 <= slot < scratch and 0 <= pos < capacity):  # out of range, or a padding row
+                self._check_row(i, slot, pos)  # raises unless a padding row
+                continue
+            ps = by_slot.get(slot)
+            if ps is None:
+                by_slot[slot] = [pos]
+            else:
+                ps.append(pos)
+            tokens.append((slot, pos))
         spans = {slot: self._check_span(slot, ps) for slot, ps in by_slot.items()}
         return StepPlan(tuple(tokens), spans)
 
@@ -186,8 +192,11 @@ class KVCache(abc.ABC):
             raise CacheError(f"positions[{i}]={pos} on scratch_slot={slot}; padding rows use position 0")
 
     def _check_span(self, slot: int, ps: list[int]) -> tuple[int, int]:
-        first, last = min(ps), max(ps)
-        if sorted(ps) != list(range(first, last + 1)):
+        if len(ps) == 1:  # a decode step's one row
+            first = last = ps[0]
+        else:
+            first, last = min(ps), max(ps)
+        if len(ps) > 1 and sorted(ps) != list(range(first, last + 1)):
             raise CacheError(f"positions of slot {slot} in one step must be distinct and contiguous; "
                              f"found {sorted(ps)}")
         if first > self._length[slot]:

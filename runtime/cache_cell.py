@@ -135,10 +135,10 @@ class BatchedCellCache(KVCache):
             cells.extend([-1] * (last + 1 - len(cells)))  # placeholders, all filled below
         placed = [(slot, pos, self._take(slot, pos)) for slot, pos in plan.tokens
                   if not self._owned_alone(slot, pos)]
-        if placed:
-            slots, positions, cells = (torch.tensor(col, dtype=torch.int64).to(self.device, non_blocking=True)
-                                       for col in zip(*placed))
-            self.cell_table[slots, positions] = cells
+        if placed:  # one host tensor, one copy: on a GPU host each small copy costs about a kernel launch
+            index = torch.tensor([x for col in zip(*placed) for x in col], dtype=torch.int64)
+            slots, positions, cells = index.to(self.device, non_blocking=True).view(3, len(placed))
+            self.cell_table.index_put_((slots, positions), cells)
 
     def _take(self, slot: int, pos: int) -> int:
         """Place (slot, pos) in the lowest free cell; a shared cell it replaces stays with its other owners."""

@@ -49,7 +49,14 @@ class BatchedSequenceCache(KVCache):
         start = [min(max(1, initial_rows), m) for m in self._max_rows]
         self._k = [self._zeros(layer_id, rows) for layer_id, rows in enumerate(start)]
         self._v = [self._zeros(layer_id, rows) for layer_id, rows in enumerate(start)]
-        self._held_from = [[0] * (self.n_slots + 1) for _ in spec.layers]
+        # Layers of one window have the same rows (their growth follows the same need) and so hold the same
+        # positions: one `held_from` list per window, which the group's layers share.
+        groups: dict[int, list[int]] = {}
+        for layer_id, window in enumerate(self._windows):
+            groups.setdefault(window, []).append(layer_id)
+        self._groups = list(groups.values())
+        held = {window: [0] * (self.n_slots + 1) for window in groups}
+        self._held_from = [held[window] for window in self._windows]
 
     def _zeros(self, layer_id: int, rows: int) -> torch.Tensor:
         # Zeros, not empty: every key a query reads is written first, but a stray read of a fresh row stays finite.
@@ -101,13 +108,24 @@ class BatchedSequenceCache(KVCache):
                 self._check_keeps(slot, first, f"write of slot {slot} at position {first}")
 
     def _apply_step(self, plan: StepPlan) -> None:
-        for layer_id in range(len(self._k)):
-            need = self._rows_needed(layer_id, plan)
-            if need > self.rows(layer_id):
-                self._grow(layer_id, need)
-            rows, held = self.rows(layer_id), self._held_from[layer_id]
+        """Grow what the step needs, then note what its writes wrap over: once per group of layers sharing a
+        window (same rows, same held positions). Storage at its most rows (reserved: always so with CUDA
+        graphs) never needs growing: a step's need never exceeds it."""
+        for layers in self._groups:
+            first = layers[0]
+            rows = self.rows(first)
+            if rows < self._max_rows[first]:
+                need = self._rows_needed(first, plan)
+                if need > rows:
+                    for layer_id in layers:
+                        self._grow(layer_id, need)
+                    rows = self.rows(first)
+            if rows >= self.capacity:  # every position has its own row: writes never wrap
+                continue
+            held = self._held_from[first]
             for slot, (_, last) in plan.spans.items():
-                held[slot] = max(held[slot], last + 1 - rows)  # the step's writes wrap over these
+                if last + 1 - rows > held[slot]:
+                    held[slot] = last + 1 - rows  # the step's writes wrap over these
 
     def _rows_needed(self, layer_id: int, plan: StepPlan) -> int:
         """Rows so that no write of the step lands on a position a query of the step (or a flat column) reads."""

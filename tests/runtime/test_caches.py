@@ -289,9 +289,14 @@ def test_ring_growth_after_wrap_replaces_positions_at_new_rows():
 # --------------------------------------------------------------------------- refusals
 
 
-def test_ring_rewind_beyond_window_is_refused_and_changes_nothing():
+@pytest.mark.parametrize("reserved", [False, True])
+def test_ring_rewind_beyond_window_is_refused_and_changes_nothing(reserved):
+    """Grown to its most rows by the steps, or reserved so from the start (no growth: the admission's path for
+    storage that can never need more rows), the ring knows what its writes wrapped over."""
     cfg = tiny_cfg(4)  # ring rows = 4 + 8 - 1 = 11
     cache, ref = new_cache(cfg, LAYOUT_SEQUENCE), ReferenceKV(cfg)
+    if reserved:
+        cache.reserve()
     gen = torch.Generator().manual_seed(7)
     for first, n in ((0, 8), (8, 8), (16, 4)):
         rows = [(0, first + j) for j in range(n)]
