@@ -76,6 +76,12 @@ class KVCache(abc.ABC):
 
     def declare_step(self, positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
         """Admit the next step's tokens (positions/seq_slots [N] int64), or refuse with nothing changed."""
+        _check_index_tensor("positions", positions)
+        _check_index_tensor("seq_slots", seq_slots)
+        self.declare_rows(positions.tolist(), seq_slots.tolist())
+
+    def declare_rows(self, positions: list[int], seq_slots: list[int]) -> None:
+        """`declare_step` of rows given as lists of ints (a packed step's, made on the host)."""
         plan = self._plan(positions, seq_slots)
         self._refuse_step(plan)
         self._apply_step(plan)
@@ -157,18 +163,16 @@ class KVCache(abc.ABC):
 
     # ------------------------------------------------------------------ admission
 
-    def _plan(self, positions: torch.Tensor, seq_slots: torch.Tensor) -> StepPlan:
-        _check_index_tensor("positions", positions)
-        _check_index_tensor("seq_slots", seq_slots)
-        n = positions.shape[0]
-        if seq_slots.shape[0] != n:
-            raise CacheError(f"positions has {n} rows but seq_slots has {seq_slots.shape[0]}; they must match")
+    def _plan(self, positions: list[int], seq_slots: list[int]) -> StepPlan:
+        n = len(positions)
+        if len(seq_slots) != n:
+            raise CacheError(f"positions has {n} rows but seq_slots has {len(seq_slots)}; they must match")
         if n > self.max_write:
             raise CacheError(f"the step has N={n} tokens; allowed: at most max_write={self.max_write}")
         by_slot: dict[int, list[int]] = {}
         tokens = []
         scratch, capacity = self.scratch_slot, self.capacity
-        for i, (slot, pos) in enumerate(zip(seq_slots.tolist(), positions.tolist())):
+        for i, (slot, pos) in enumerate(zip(seq_slots, positions)):
             if not (0 <= slot < scratch and 0 <= pos < capacity):  # out of range, or a padding row
                 self._check_row(i, slot, pos)  # raises unless a padding row
                 continue

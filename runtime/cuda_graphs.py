@@ -132,13 +132,21 @@ class GraphRunner:
     def captured(self) -> tuple[int, ...]:
         return tuple(sorted(self._graphs))
 
-    def run(self, bucket: int, inputs: Sequence[torch.Tensor]) -> list:
+    def run(self, bucket: int, inputs: Optional[Sequence[torch.Tensor]], flat: Optional[torch.Tensor] = None) -> list:
+        """Replay `bucket`'s graph on `inputs` (padded to the bucket), capturing it first when needed. `flat`
+        instead of `inputs`: one host tensor of every input's elements in order, for a graph whose inputs
+        share a dtype: copied into the input buffer as it is."""
         version = self.version()
         g = self._graphs.get(bucket)
         if g is None or g.version != version:
             self._drop_stale(version)
             g = self._capture(bucket, version)
-        if g.flat is not None and all(x.device.type == "cpu" for x in inputs):
+        if flat is not None:
+            if g.flat is None or flat.numel() != g.flat.numel() or flat.dtype != g.flat.dtype:
+                raise ValueError(f"flat inputs of {flat.numel()} {flat.dtype} elements for a graph whose inputs are "
+                                 + ("not one buffer" if g.flat is None else f"{g.flat.numel()} {g.flat.dtype}"))
+            g.flat.copy_(flat, non_blocking=True)
+        elif g.flat is not None and all(x.device.type == "cpu" for x in inputs):
             # Host inputs (a step's tokens, positions, slots, rows) go in one host-to-device copy: on a GPU host
             # each copy costs about as much host time as a kernel launch, and a small step is host-bound.
             g.flat.copy_(torch.cat([x.reshape(-1) for x in inputs]), non_blocking=True)

@@ -166,7 +166,7 @@ class Engine:
             hidden = out[1] if len(out) > 1 else None
             accepted, new_tokens = self._accept(step.groups, drafts, out[0])
             self._postprocess(batch, step, drafts, accepted, new_tokens, hidden)
-            rows = step.tokens.shape[0]
+            rows = step.n
         self.stats.steps += 1
         if self.spec is not None:
             self.spec.step_done(time.perf_counter() - t0, rows, prefill=bool(batch.prefill))

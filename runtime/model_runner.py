@@ -53,20 +53,75 @@ from .draft_ops import DraftOps
 log = logging.getLogger("mg.runtime")
 
 
-@dataclass
-class StepBatch:
-    """One target `forward` step, packed: decode sequences' verify rows first, then prefill chunks."""
+@dataclass(frozen=True)
+class PackedStep:
+    """A step's `forward` inputs, made at once (`ModelRunner.pack`): `flat`, one host int64 tensor, holds the
+    tokens, positions, slots, logits rows and (with a hidden sink) destinations, each `lengths[i]` long, in
+    that order; padded to `size`, the step's bucket, when calls are padded (then every length is `size`).
+    `positions` and `slots` are the admitted rows as lists, padding included (the cache's admission reads
+    lists). One tensor and, with CUDA graphs, one copy into the graph's input buffer: on a GPU serving a
+    small model the host's calls are the step."""
 
-    tokens: torch.Tensor  # [N] int64
-    positions: torch.Tensor  # [N] int64
-    seq_slots: torch.Tensor  # [N] int64
-    logits_rows: torch.Tensor  # [R] int64: rows that go through the LM head
-    groups: list = field(default_factory=list)  # (seq, first logits row, rows, first step row) per sampled group
-    # Draft rows: `tokens[draft_rows] = draft_tokens.flatten()[draft_src]`, filled on the drafts' device.
-    draft_tokens: Optional[torch.Tensor] = None
-    draft_rows: Optional[torch.Tensor] = None
-    draft_src: Optional[torch.Tensor] = None
-    hidden_dst: Optional[torch.Tensor] = None  # [N] int64: each row's row of the hidden sink (with one)
+    flat: torch.Tensor
+    lengths: tuple[int, ...]
+    size: Optional[int]
+    positions: list
+    slots: list
+
+    def inputs(self) -> list:
+        """The inputs as views of `flat`."""
+        return list(self.flat.split(self.lengths))
+
+
+class StepBatch:
+    """One target `forward` step, packed: decode sequences' verify rows first, then prefill chunks.
+
+    `tokens`, `positions`, `seq_slots` [N] and `logits_rows` [R] (rows that go through the LM head) are int64
+    host tensors of the live rows; `groups`: (seq, first logits row, rows, first step row) per sampled group.
+    Draft rows: `tokens[draft_rows] = draft_tokens.flatten()[draft_src]`, filled on the drafts' device.
+    `hidden_dst` [N]: each row's row of the hidden sink (with one). A step from `ModelRunner.pack` carries its
+    `packed` inputs, and its tensors are views of them, made only when asked for; one built by hand
+    (`StepBatch(tokens, positions, seq_slots, logits_rows)`) has none."""
+
+    def __init__(self, tokens: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,
+                 logits_rows: torch.Tensor, groups: Optional[list] = None):
+        self.n, self.r = tokens.shape[0], logits_rows.shape[0]
+        self._live: Optional[list] = [tokens, positions, seq_slots, logits_rows, None]
+        self.groups = groups if groups is not None else []
+        self.draft_tokens: Optional[torch.Tensor] = None
+        self.draft_rows: Optional[torch.Tensor] = None
+        self.draft_src: Optional[torch.Tensor] = None
+        self.packed: Optional[PackedStep] = None
+
+    @classmethod
+    def of_packed(cls, packed: PackedStep, n: int, r: int, groups: list, hidden_dst: bool) -> "StepBatch":
+        """A step of `packed` inputs: n live rows, r logits rows; `hidden_dst`: its destinations are the step's
+        (not all the scratch row)."""
+        step = cls.__new__(cls)
+        step.n, step.r, step._live, step.groups, step.packed = n, r, None, groups, packed
+        step.draft_tokens = step.draft_rows = step.draft_src = None
+        step._has_dst = hidden_dst
+        return step
+
+    def _columns(self) -> list:
+        if self._live is None:
+            n, r, views = self.n, self.r, self.packed.inputs()
+            dst = views[4][:n] if len(views) > 4 and self._has_dst else None
+            self._live = [views[0][:n], views[1][:n], views[2][:n], views[3][:r], dst]
+        return self._live
+
+    tokens = property(lambda self: self._columns()[0])
+    positions = property(lambda self: self._columns()[1])
+    seq_slots = property(lambda self: self._columns()[2])
+    logits_rows = property(lambda self: self._columns()[3])
+
+    @property
+    def hidden_dst(self) -> Optional[torch.Tensor]:
+        return self._columns()[4]
+
+    @hidden_dst.setter
+    def hidden_dst(self, value: Optional[torch.Tensor]) -> None:
+        self._columns()[4] = value
 
 
 @dataclass(frozen=True)
@@ -175,17 +230,22 @@ class ModelRunner:
 
     def forward(self, batch: StepBatch) -> list:
         """The target `forward` of a packed step: [logits [R, V], hidden [N, taps*dim] (with a drafter)]."""
-        n, r = batch.tokens.shape[0], batch.logits_rows.shape[0]
-        tokens = batch.tokens
+        n, r = batch.n, batch.r
+        if batch.packed is not None and batch.draft_tokens is None:  # `pack`'s inputs as they are
+            return self.call(C.METHOD_FORWARD, None, [r, n], batch.packed)
+        if batch.packed is not None:  # its inputs as tensors (padded when calls are), tokens filled in below
+            inputs = batch.packed.inputs()
+        else:  # a StepBatch built by hand: its live rows
+            inputs = [batch.tokens, batch.positions, batch.seq_slots, batch.logits_rows]
+            if self._sink is not None:  # rows without a destination commit nothing: the scratch row
+                inputs.append(batch.hidden_dst if batch.hidden_dst is not None
+                              else torch.full((n,), self._sink.scratch, dtype=torch.long))
         if batch.draft_tokens is not None:  # drafts stay where they were made: no wait for them on the host
-            dev, k = batch.draft_tokens.device, batch.draft_rows.shape[0]
-            tokens, rows, src = to_device(torch.cat([tokens, batch.draft_rows, batch.draft_src]), dev).split([n, k, k])
-            # In place into the concatenation above (a new tensor), never into batch.tokens.
-            tokens = tokens.index_copy_(0, rows, batch.draft_tokens.flatten().index_select(0, src))
-        inputs = [tokens, batch.positions, batch.seq_slots, batch.logits_rows]
-        if self._sink is not None:  # rows without a destination commit nothing: the scratch row
-            inputs.append(batch.hidden_dst if batch.hidden_dst is not None
-                          else torch.full((n,), self._sink.scratch, dtype=torch.long))
+            tokens = inputs[0]
+            dev, m, k = batch.draft_tokens.device, tokens.shape[0], batch.draft_rows.shape[0]
+            tokens, rows, src = to_device(torch.cat([tokens, batch.draft_rows, batch.draft_src]), dev).split([m, k, k])
+            # In place into the concatenation above (a new tensor), never into the step's tokens.
+            inputs[0] = tokens.index_copy_(0, rows, batch.draft_tokens.flatten().index_select(0, src))
         return self.call(C.METHOD_FORWARD, inputs, [r, n])
 
     def draft_block(self, tokens: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> torch.Tensor:
@@ -199,26 +259,38 @@ class ModelRunner:
             hi = lo + limit
             self.call(C.METHOD_DRAFT_APPEND, [hidden[lo:hi], positions[lo:hi], seq_slots[lo:hi]], [])
 
-    def call(self, method: str, inputs: list, live: list[int]) -> list:
-        """The one path of every method call: pad -> admit -> graph or eager -> cut (module docstring)."""
+    def call(self, method: str, inputs: Optional[list], live: list[int], packed: Optional[PackedStep] = None) -> list:
+        """The one path of every method call: pad -> admit -> graph or eager -> cut (module docstring).
+        `packed` (the `forward` of `pack`, with `inputs` None): inputs made, padded and listed at once; with
+        CUDA graphs they go to the graph's input buffer in one copy."""
         plan = self._plans[method]
         t0 = time.perf_counter()
-        rows = max(x.shape[0] for x in inputs)
-        size = bucket_for(rows, plan.limit) if self.config.padded else None
-        if size is not None:
-            blank = self._blank(plan, size)
-            inputs = [x if x.shape[0] == size else torch.cat([x, to_device(b[x.shape[0]:], x.device)])
-                      for x, b in zip(inputs, blank)]
-        if plan.cache is not None:
-            plan.cache.declare_step(inputs[1], inputs[2])  # padding rows too: the host admits them, outside graphs
+        if packed is not None:
+            size = packed.size
+            if plan.cache is not None:  # padding rows too: the host admits them, outside graphs
+                plan.cache.declare_rows(packed.positions, packed.slots)
+        else:
+            rows = max(x.shape[0] for x in inputs)
+            size = bucket_for(rows, plan.limit) if self.config.padded else None
+            if size is not None:
+                blank = self._blank(plan, size)
+                inputs = [x if x.shape[0] == size else torch.cat([x, to_device(b[x.shape[0]:], x.device)])
+                          for x, b in zip(inputs, blank)]
+            if plan.cache is not None:
+                plan.cache.declare_step(inputs[1], inputs[2])  # padding rows too, as above
         graphs = self._graphs.get(method)
         if size is not None and graphs is not None:
-            out = graphs.run(size, inputs)
+            out = graphs.run(size, inputs, packed.flat if packed is not None else None)
         else:
-            out = self._run(method, [to_device(x, self.device) for x in inputs], size is not None,
-                            sink=method == C.METHOD_FORWARD)
+            if packed is None:
+                inputs = [to_device(x, self.device) for x in inputs]
+            elif self.device.type == "cpu":
+                inputs = packed.inputs()
+            else:  # one host-to-device copy, then its views
+                inputs = list(to_device(packed.flat, self.device).split(packed.lengths))
+            out = self._run(method, inputs, size is not None, sink=method == C.METHOD_FORWARD)
         if self.call_log is not None:
-            self.call_log.append((method, rows, time.perf_counter() - t0))
+            self.call_log.append((method, live[-1] if packed is not None else rows, time.perf_counter() - t0))
         return out if size is None else plan.cut(out, live)
 
     def warm_up(self) -> None:
@@ -242,19 +314,27 @@ class ModelRunner:
         """Decode sequences write their pending token and `ks[i]` drafts (row i of `draft_tokens` [len(decode),
         width], filled in where the drafts live; every row gets logits: the verify rows), then prefill chunks
         (the last row gets logits when the chunk ends the prompt). `hidden_dst`: each row's row of the hidden
-        sink, in that order."""
+        sink, in that order. The forward's inputs are made here at once (`PackedStep`), padded to the step's
+        bucket as the forward's blank inputs pad (scratch slot, position 0, logits of row 0) when calls are
+        padded."""
         tokens, positions, slots, rows, groups = [], [], [], [], []
         draft_rows, draft_src = [], []
         width = draft_tokens.shape[1] if draft_tokens is not None else 0
         for i, (seq, k) in enumerate(zip(decode, ks)):
             start, first = seq.n_cached, len(tokens)
-            tokens += [seq.tokens[-1]] + [0] * k
-            draft_rows += range(first + 1, first + 1 + k)
-            draft_src += range(i * width, i * width + k)
-            positions += range(start, start + 1 + k)
-            slots += [seq.slot] * (1 + k)
-            groups.append((seq, len(rows), 1 + k, first))
-            rows += range(first, first + 1 + k)
+            if k:
+                tokens += [seq.tokens[-1]] + [0] * k
+                draft_rows += range(first + 1, first + 1 + k)
+                draft_src += range(i * width, i * width + k)
+                positions += range(start, start + 1 + k)
+                slots += [seq.slot] * (1 + k)
+                rows += range(first, first + 1 + k)
+            else:  # a plain step's row (the common case)
+                tokens.append(seq.tokens[-1])
+                positions.append(start)
+                slots.append(seq.slot)
+                rows.append(first)
+            groups.append((seq, first, 1 + k, first))
         for chunk in prefill:
             seq, first = chunk.seq, len(tokens)
             tokens += seq.tokens[chunk.start:chunk.start + chunk.length]
@@ -263,12 +343,26 @@ class ModelRunner:
             if chunk.wants_logits:
                 groups.append((seq, len(rows), 1, first + chunk.length - 1))
                 rows.append(len(tokens) - 1)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        step = StepBatch(as_long(tokens), as_long(positions), as_long(slots), as_long(rows), groups)
+        n, r = len(tokens), len(rows)
+        sink = self._sink
+        dst = None if sink is None else hidden_dst if hidden_dst is not None else [sink.scratch] * n
+        size = bucket_for(n, self._plans[C.METHOD_FORWARD].limit) if self.config.padded else None
+        if size is not None:
+            pad = size - n
+            if pad:
+                tokens += [0] * pad
+                positions += [0] * pad
+                slots += [self.cache.scratch_slot] * pad
+                if dst is not None:
+                    dst = dst + [sink.scratch] * pad
+            rows += [0] * (size - r)  # fewer logits rows than rows (prompt chunks): padded even when n fills it
+        columns = (tokens, positions, slots, rows) if dst is None else (tokens, positions, slots, rows, dst)
+        flat = torch.tensor(tokens + positions + slots + rows + (dst or []), dtype=torch.long)
+        packed = PackedStep(flat, tuple(map(len, columns)), size, positions, slots)
+        step = StepBatch.of_packed(packed, n, r, groups, hidden_dst is not None)
         if draft_rows:
+            as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
             step.draft_tokens, step.draft_rows, step.draft_src = draft_tokens, as_long(draft_rows), as_long(draft_src)
-        if hidden_dst is not None:
-            step.hidden_dst = as_long(hidden_dst)
         return step
 
     # ------------------------------------------------------------------ costs

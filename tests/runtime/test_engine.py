@@ -127,3 +127,44 @@ def test_greedy_plain_step_acceptance_equals_the_general_acceptance(tiny_seq_art
     assert accepted == ref.n_accepted.tolist() == [0] * b
     assert tokens == ref.tokens.tolist()
     assert tokens[1] == [7]
+
+
+@pytest.mark.parametrize("pad_steps", [False, True])
+def test_packed_step_inputs_are_the_live_rows_padded_with_the_blank_inputs(tiny_dflash_seq_artifact, pad_steps):
+    """`ModelRunner.pack` makes the forward's inputs at once (one host tensor). They must be what the call
+    path makes from the step's live rows: each padded with the forward's blank inputs to the step's bucket
+    when calls are padded (logits rows too, even when the rows fill the bucket), as they are otherwise; the
+    admitted rows are the positions and slots among them."""
+    from mg.manifests import constants as C
+    from mg.runtime.config import RunConfig
+    from mg.runtime.scheduler import Chunk, Sequence
+
+    engine = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig(pad_steps=pad_steps))
+    runner = engine.runner
+    plan = runner.plans[C.METHOD_FORWARD]
+    seqs = [Sequence(Request(f"s{i}", tuple(range(4, 10 + i)), 8), slot=i, tokens=list(range(4, 10 + i)),
+                     n_cached=5 + i) for i in range(3)]
+    prompt = Sequence(Request("p", tuple(range(20, 33)), 8), slot=3, tokens=list(range(20, 33)))
+    cases = [([seqs[0]], [0], []), (seqs, [0, 0, 0], []),  # plain steps: 1 row, 3 rows (bucket 4)
+             (seqs[:2], [0, 0], [Chunk(prompt, 0, 6, False)]),  # 8 rows, no logits row for the chunk (bucket full)
+             (seqs[:1], [0], [Chunk(prompt, 6, 7, True)])]  # 8 rows, 2 logits rows
+    for decode, ks, prefill in cases:
+        dst = list(range(100, 100 + len(decode) + sum(c.length for c in prefill)))
+        step = runner.pack(decode, ks, prefill, None, dst)
+        live = [step.tokens, step.positions, step.seq_slots, step.logits_rows, step.hidden_dst]
+        assert [x.shape[0] for x in live] == [step.n] * 3 + [step.r, step.n]
+        assert step.hidden_dst.tolist() == dst
+        assert step.positions.tolist()[:len(decode)] == [s.n_cached for s in decode]
+        inputs = step.packed.inputs()
+        size = step.packed.size
+        if not pad_steps:
+            assert size is None
+            want = live
+        else:
+            assert size == 1 << (step.n - 1).bit_length()
+            blank = runner._call_blank(plan, size)
+            want = [torch.cat([x, b[x.shape[0]:]]) for x, b in zip(live, blank)]
+        assert len(inputs) == len(want) == 5
+        for got, expect in zip(inputs, want):
+            assert torch.equal(got, expect)
+        assert step.packed.positions == inputs[1].tolist() and step.packed.slots == inputs[2].tolist()
