@@ -74,19 +74,37 @@ class KVCache(abc.ABC):
 
     # ------------------------------------------------------------------ the protocol
 
-    def declare_step(self, positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
-        """Admit the next step's tokens (positions/seq_slots [N] int64), or refuse with nothing changed."""
+    def declare_step(self, positions: torch.Tensor, seq_slots: torch.Tensor, defer: bool = False) -> Optional[list[int]]:
+        """Admit the next step's tokens (positions/seq_slots [N] int64), or refuse with nothing changed.
+        `defer`: see `declare_rows`."""
         _check_index_tensor("positions", positions)
         _check_index_tensor("seq_slots", seq_slots)
-        self.declare_rows(positions.tolist(), seq_slots.tolist())
+        return self.declare_rows(positions.tolist(), seq_slots.tolist(), defer)
 
-    def declare_rows(self, positions: list[int], seq_slots: list[int]) -> None:
-        """`declare_step` of rows given as lists of ints (a packed step's, made on the host)."""
+    def declare_rows(self, positions: list[int], seq_slots: list[int], defer: bool = False) -> Optional[list[int]]:
+        """`declare_step` of rows given as lists of ints (a packed step's, made on the host). `defer` (layouts
+        with `placement_input`): the device side of the rows' placement is left to the caller, who passes the
+        returned placement of every row (padding rows included) to `place` before anything reads the cache
+        (the model runner does it inside the step's forward, in its CUDA graph); None otherwise."""
         plan = self._plan(positions, seq_slots)
         self._refuse_step(plan)
-        self._apply_step(plan)
+        defer = defer and self.placement_input
+        self._apply_step(plan, defer)
         for slot, (_, last) in plan.spans.items():
             self._length[slot] = max(self._length[slot], last + 1)
+        return self._placement(positions, seq_slots) if defer else None
+
+    # Layouts whose admission writes per-row placement to the device (the cell table): with `declare_rows(...,
+    # defer=True)` the step writes it itself (`place`), from one more input column, instead of admission
+    # sending it in copies of its own.
+    placement_input: bool = False
+
+    def place(self, positions: torch.Tensor, seq_slots: torch.Tensor, placement: torch.Tensor) -> None:
+        """Write a deferred admission's placement (device tensors [N]); see `declare_rows`."""
+        raise NotImplementedError(f"the {self.layout} layout has no placement input")
+
+    def _placement(self, positions: list[int], seq_slots: list[int]) -> list[int]:
+        raise NotImplementedError(f"the {self.layout} layout has no placement input")
 
     @abc.abstractmethod
     def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -223,8 +241,9 @@ class KVCache(abc.ABC):
         """Raise CacheError for a layout limit (ring contents, free cells); change nothing."""
 
     @abc.abstractmethod
-    def _apply_step(self, plan: StepPlan) -> None:
-        """Grow storage, place the step's tokens. Runs before lengths are updated."""
+    def _apply_step(self, plan: StepPlan, defer: bool = False) -> None:
+        """Grow storage, place the step's tokens (`defer`: the device side of placement is the caller's, see
+        `declare_rows`). Runs before lengths are updated."""
 
     @abc.abstractmethod
     def _check_keeps(self, slot: int, length: int, action: str) -> None:

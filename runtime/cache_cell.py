@@ -80,7 +80,8 @@ class BatchedCellCache(KVCache):
         return list(self._cells[slot])
 
     def write(self, k, v, positions, seq_slots, layer_id: int) -> None:
-        # declare_step placed the step's cells in the device cell_table; padding rows map to the scratch cell.
+        # Admission (or the step itself: `place`) put the step's cells in the device cell_table; padding rows
+        # map to the scratch cell.
         k_pool, v_pool = self._k[layer_id], self._v[layer_id]
         if self.use_triton:
             triton_attention.write_cells_triton(k.to(k_pool.dtype), v.to(v_pool.dtype), k_pool, v_pool,
@@ -124,7 +125,7 @@ class BatchedCellCache(KVCache):
         cells = self._cells[slot]
         return pos < len(cells) and cells[pos] >= 0 and self._refs[cells[pos]] == 1
 
-    def _apply_step(self, plan: StepPlan) -> None:
+    def _apply_step(self, plan: StepPlan, defer: bool = False) -> None:
         need = max((last + 1 for _, last in plan.spans.values()), default=0)
         if need > self.read_span:
             while self.read_span < need:
@@ -135,10 +136,22 @@ class BatchedCellCache(KVCache):
             cells.extend([-1] * (last + 1 - len(cells)))  # placeholders, all filled below
         placed = [(slot, pos, self._take(slot, pos)) for slot, pos in plan.tokens
                   if not self._owned_alone(slot, pos)]
-        if placed:  # one host tensor, one copy: on a GPU host each small copy costs about a kernel launch
+        if placed and not defer:  # one host tensor, one copy: on a GPU host each small copy costs about a launch
             index = torch.tensor([x for col in zip(*placed) for x in col], dtype=torch.int64)
             slots, positions, cells = index.to(self.device, non_blocking=True).view(3, len(placed))
-            self.cell_table.index_put_((slots, positions), cells)
+            self.place(positions, slots, cells)
+
+    placement_input = True  # a step may write its cells to the cell table itself (`declare_rows(defer=True)`)
+
+    def place(self, positions: torch.Tensor, seq_slots: torch.Tensor, placement: torch.Tensor) -> None:
+        """cell_table[seq_slots, positions] = placement: the cells of an admitted step's rows (padding rows: the
+        scratch slot's position 0 and the scratch cell, which it holds already). Device ops only: capturable."""
+        self.cell_table.index_put_((seq_slots, positions), placement)
+
+    def _placement(self, positions: list[int], seq_slots: list[int]) -> list[int]:
+        """Each row's cell after admission (padding rows: the scratch cell)."""
+        cells, scratch, scratch_cell = self._cells, self.scratch_slot, self.scratch_cell
+        return [scratch_cell if slot == scratch else cells[slot][pos] for slot, pos in zip(seq_slots, positions)]
 
     def _take(self, slot: int, pos: int) -> int:
         """Place (slot, pos) in the lowest free cell; a shared cell it replaces stays with its other owners."""

@@ -107,7 +107,7 @@ class BatchedSequenceCache(KVCache):
             if first < self._length[slot]:
                 self._check_keeps(slot, first, f"write of slot {slot} at position {first}")
 
-    def _apply_step(self, plan: StepPlan) -> None:
+    def _apply_step(self, plan: StepPlan, defer: bool = False) -> None:
         """Grow what the step needs, then note what its writes wrap over: once per group of layers sharing a
         window (same rows, same held positions). Storage at its most rows (reserved: always so with CUDA
         graphs) never needs growing: a step's need never exceeds it."""

@@ -55,22 +55,33 @@ log = logging.getLogger("mg.runtime")
 
 @dataclass(frozen=True)
 class PackedStep:
-    """A step's `forward` inputs, made at once (`ModelRunner.pack`): `flat`, one host int64 tensor, holds the
-    tokens, positions, slots, logits rows and (with a hidden sink) destinations, each `lengths[i]` long, in
-    that order; padded to `size`, the step's bucket, when calls are padded (then every length is `size`).
-    `positions` and `slots` are the admitted rows as lists, padding included (the cache's admission reads
-    lists). One tensor and, with CUDA graphs, one copy into the graph's input buffer: on a GPU serving a
-    small model the host's calls are the step."""
+    """A step's `forward` inputs as `ModelRunner.pack` makes them: `columns`, lists of ints, hold the tokens,
+    positions, slots, logits rows and (with a hidden sink) destinations, each padded to `size`, the step's
+    bucket, when calls are padded. The call path admits the positions and slots as they are and makes one host
+    tensor of every column (and the admission's placement, for layouts that take it as an input: `flat`):
+    with CUDA graphs, one copy into the graph's input buffer. On a GPU serving a small model the host's calls
+    are the step."""
 
-    flat: torch.Tensor
-    lengths: tuple[int, ...]
+    columns: tuple
     size: Optional[int]
-    positions: list
-    slots: list
+
+    @property
+    def positions(self) -> list:
+        return self.columns[1]
+
+    @property
+    def slots(self) -> list:
+        return self.columns[2]
+
+    def flat(self, *extra: list) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """(one host int64 tensor of the columns and then `extra`, in order; each one's length)."""
+        columns = (*self.columns, *extra)
+        return torch.tensor([x for column in columns for x in column], dtype=torch.long), tuple(map(len, columns))
 
     def inputs(self) -> list:
-        """The inputs as views of `flat`."""
-        return list(self.flat.split(self.lengths))
+        """The columns as tensors (views of one)."""
+        flat, lengths = self.flat()
+        return list(flat.split(lengths))
 
 
 class StepBatch:
@@ -189,6 +200,7 @@ class ModelRunner:
         if config.compiled:
             self._compiled, self.compile_stats = _compiled_methods(artifact, self.device, self._plans, self.ops)
         self._sink: Optional[HiddenSink] = None
+        self._placing = self.cache.placement_input  # forward steps write the admission's placement themselves
         self._graphs: dict[str, GraphRunner] = {}
         if config.graphs:
             for name, plan in self._plans.items():
@@ -262,13 +274,17 @@ class ModelRunner:
     def call(self, method: str, inputs: Optional[list], live: list[int], packed: Optional[PackedStep] = None) -> list:
         """The one path of every method call: pad -> admit -> graph or eager -> cut (module docstring).
         `packed` (the `forward` of `pack`, with `inputs` None): inputs made, padded and listed at once; with
-        CUDA graphs they go to the graph's input buffer in one copy."""
+        CUDA graphs they go to the graph's input buffer in one copy. A forward on a layout with a placement
+        input (the cell layout) gets the admission's placement as one more input, written by the step itself."""
         plan = self._plans[method]
         t0 = time.perf_counter()
+        placing = self._placing and method == C.METHOD_FORWARD
+        flat = None
         if packed is not None:
             size = packed.size
-            if plan.cache is not None:  # padding rows too: the host admits them, outside graphs
-                plan.cache.declare_rows(packed.positions, packed.slots)
+            # Padding rows too: the host admits them, outside graphs.
+            placement = plan.cache.declare_rows(packed.positions, packed.slots, defer=placing)
+            flat, lengths = packed.flat(placement) if placing else packed.flat()
         else:
             rows = max(x.shape[0] for x in inputs)
             size = bucket_for(rows, plan.limit) if self.config.padded else None
@@ -276,19 +292,19 @@ class ModelRunner:
                 blank = self._blank(plan, size)
                 inputs = [x if x.shape[0] == size else torch.cat([x, to_device(b[x.shape[0]:], x.device)])
                           for x, b in zip(inputs, blank)]
-            if plan.cache is not None:
-                plan.cache.declare_step(inputs[1], inputs[2])  # padding rows too, as above
+            if plan.cache is not None:  # padding rows too, as above
+                placement = plan.cache.declare_step(inputs[1], inputs[2], defer=placing)
+                if placing:
+                    inputs = [*inputs, torch.tensor(placement, dtype=torch.long)]
         graphs = self._graphs.get(method)
         if size is not None and graphs is not None:
-            out = graphs.run(size, inputs, packed.flat if packed is not None else None)
+            out = graphs.run(size, inputs, flat)
         else:
-            if packed is None:
+            if flat is None:
                 inputs = [to_device(x, self.device) for x in inputs]
-            elif self.device.type == "cpu":
-                inputs = packed.inputs()
-            else:  # one host-to-device copy, then its views
-                inputs = list(to_device(packed.flat, self.device).split(packed.lengths))
-            out = self._run(method, inputs, size is not None, sink=method == C.METHOD_FORWARD)
+            else:  # one host-to-device copy (none on CPU), then its views
+                inputs = list(to_device(flat, self.device).split(lengths))
+            out = self._run(method, inputs, size is not None, extras=method == C.METHOD_FORWARD)
         if self.call_log is not None:
             self.call_log.append((method, live[-1] if packed is not None else rows, time.perf_counter() - t0))
         return out if size is None else plan.cut(out, live)
@@ -357,9 +373,7 @@ class ModelRunner:
                     dst = dst + [sink.scratch] * pad
             rows += [0] * (size - r)  # fewer logits rows than rows (prompt chunks): padded even when n fills it
         columns = (tokens, positions, slots, rows) if dst is None else (tokens, positions, slots, rows, dst)
-        flat = torch.tensor(tokens + positions + slots + rows + (dst or []), dtype=torch.long)
-        packed = PackedStep(flat, tuple(map(len, columns)), size, positions, slots)
-        step = StepBatch.of_packed(packed, n, r, groups, hidden_dst is not None)
+        step = StepBatch.of_packed(PackedStep(columns, size), n, r, groups, hidden_dst is not None)
         if draft_rows:
             as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
             step.draft_tokens, step.draft_rows, step.draft_src = draft_tokens, as_long(draft_rows), as_long(draft_src)
@@ -391,10 +405,17 @@ class ModelRunner:
         return blank
 
     def _device_blank(self, plan: _Plan) -> Callable[[int], list]:
-        return lambda size: [x.to(self.device) for x in self._call_blank(plan, size)]
+        """A graph's blank inputs: a call's, and for `forward` on a layout with a placement input the padding
+        rows' placement (the scratch cell), which `call` adds after admission."""
+        def blank(size: int) -> list:
+            inputs = self._call_blank(plan, size)
+            if self._placing and plan.name == C.METHOD_FORWARD:
+                inputs.append(torch.full((size,), self.cache.scratch_cell, dtype=torch.long))
+            return [x.to(self.device) for x in inputs]
+        return blank
 
     def _eager_call(self, method: str) -> Callable[[list], list]:
-        return lambda inputs: self._run(method, inputs, True, sink=method == C.METHOD_FORWARD)
+        return lambda inputs: self._run(method, inputs, True, extras=method == C.METHOD_FORWARD)
 
     @property
     def plans(self) -> dict:
@@ -407,22 +428,31 @@ class ModelRunner:
         graph (`fused_round.py`); they admit the rows in the caches themselves."""
         return self._run(method, inputs, True)
 
-    def _run(self, method: str, inputs: list, padded: bool, sink: bool = False) -> list:
-        """The method once, without graphs: compiled code for padded calls (every input one bucket long), else
-        the interpreter. `sink`: the inputs end with the hidden sink's destinations (`forward` through `call`),
-        and the hidden rows are written there."""
-        dst = None
-        if sink and self._sink is not None:
-            inputs, dst = inputs[:-1], inputs[-1]
-        compiled = self._compiled.get(method) if padded else None
-        with _tf32_matmuls(method in self._tf32_methods):
-            if compiled is not None:
-                out = compiled(inputs, self.ops)
-            else:
-                out = self.program.run(method, inputs, ops=self.ops)
+    def _run(self, method: str, inputs: list, padded: bool, extras: bool = False) -> list:
+        """The method once, without graphs. `extras`: the inputs end with what the call path adds to a forward's
+        (`call`): the hidden sink's destinations, then the placement of a layout that takes it; the placement
+        is written to the cache first, and the hidden rows to the sink after."""
+        dst = placement = None
+        if extras:
+            if self._placing:
+                inputs, placement = inputs[:-1], inputs[-1]
+            if self._sink is not None:
+                inputs, dst = inputs[:-1], inputs[-1]
+        if placement is not None:
+            self.cache.place(inputs[1], inputs[2], placement)
+        out = self._execute(method, inputs, padded)
         if dst is not None:
             self._sink.buffer().index_copy_(0, dst, out[1])
         return out
+
+    def _execute(self, method: str, inputs: list, padded: bool) -> list:
+        """The method's own inputs through its compiled code (padded calls: every input one bucket long), else
+        the interpreter."""
+        compiled = self._compiled.get(method) if padded else None
+        with _tf32_matmuls(method in self._tf32_methods):
+            if compiled is not None:
+                return compiled(inputs, self.ops)
+            return self.program.run(method, inputs, ops=self.ops)
 
     @property
     def hidden_width(self) -> int:

@@ -13,8 +13,9 @@ acceptance on the device tensors and bookkeeping. Three engines side by side:
                 probes): every step is a plain step chosen by the real choice (fused rounds on, as on CUDA)
 
 Runs alternate between the engines (`--repeats` rounds, the fastest kept) and the table gives microseconds
-per step and each DFlash engine's excess over target-only. The forward's write of plain steps' hidden rows to
-the drafter's waiting buffer is kept (inside the graph with CUDA graphs, one `index_copy_` on CPU).
+per step and each DFlash engine's excess over target-only. What the call path adds around the method is kept:
+the write of plain steps' hidden rows to the drafter's waiting buffer and the cell layout's placement
+(inside the graph with CUDA graphs, eager ops on CPU).
 Draft-context appends (one per several hundred rows) are skipped. `--padded` pads calls to their buckets on
 the CPU too, as CUDA graphs do. Prints Markdown; `--out` writes JSON.
 
@@ -53,17 +54,14 @@ def _engine(artifact, mode: str, device: str, padded: bool):
     logits[:, 7] = 1.0  # every step samples token 7: no EOS, the same work every step
     hidden = (torch.zeros(rows, runner.hidden_width, dtype=runner.hidden_dtype, device=device) if spec is not None
               else None)
-    execute = runner._run  # the method's execution under the runner's call path (graphs capture what it does)
+    execute = runner._execute  # a method's own execution, under the call path (graphs capture what it does)
 
-    def fixed_forward(method, inputs, padded_call, sink=False):
+    def fixed_forward(method, inputs, padded_call):
         if method != C.METHOD_FORWARD:
-            return execute(method, inputs, padded_call, sink)
-        out = [logits[:inputs[3].shape[0]]] + ([hidden[:inputs[0].shape[0]]] if hidden is not None else [])
-        if sink and hidden is not None:  # the hidden sink's write, as the real forward does it
-            runner._sink.buffer().index_copy_(0, inputs[-1], out[1])
-        return out
+            return execute(method, inputs, padded_call)
+        return [logits[:inputs[3].shape[0]]] + ([hidden[:inputs[0].shape[0]]] if hidden is not None else [])
 
-    runner._run = fixed_forward
+    runner._execute = fixed_forward
     if spec is not None:
         runner.draft_append = lambda *args: None
         runner.call_log = None  # calls are not timed, as on CUDA

@@ -491,3 +491,38 @@ def test_update_and_attend_replays_from_a_cuda_graph(layout):
         graph.replay()
         assert_outputs_equal(outs, want, f"position {p}")
     assert (captures > 1) == (layout == LAYOUT_SEQUENCE)  # the cell layout never moves storage
+
+
+def test_deferred_placement_writes_the_same_cell_table_when_the_step_places_it():
+    """Admission with `defer=True` updates the host's cells but leaves the device cell table to the step: the
+    placement it returns (padding rows: the scratch cell), written by `place`, gives the table admission writes
+    itself, through fresh placements, rewinds, clone-shared cells (copy on write) and padding rows. The
+    sequence layout takes no placement input."""
+    cfg = tiny_cfg(4)
+    direct, deferred = new_cache(cfg, LAYOUT_CELL), new_cache(cfg, LAYOUT_CELL)
+    scratch = direct.scratch_slot
+    steps = [[(0, p) for p in range(5)] + [(1, 0), (1, 1)] + [(scratch, 0)] * 1,
+             [(0, 5), (1, 2), (scratch, 0), (scratch, 0)],
+             "rewind", [(0, 3), (0, 4), (1, 3)],
+             "clone", [(2, 2), (2, 3), (0, 5)]]
+    for rows in steps:
+        if rows == "rewind":
+            direct.rewind(0, 3), deferred.rewind(0, 3)
+            continue
+        if rows == "clone":
+            direct.clone(0, 2, 3), deferred.clone(0, 2, 3)
+            continue
+        positions, slots = [p for _, p in rows], [s for s, _ in rows]
+        assert direct.declare_rows(positions, slots) is None
+        before = deferred.cell_table.clone()
+        placement = deferred.declare_rows(positions, slots, defer=True)
+        assert torch.equal(deferred.cell_table, before)  # nothing written on the device yet
+        assert len(placement) == len(rows)
+        assert [c for (s, _), c in zip(rows, placement) if s == scratch] == [deferred.scratch_cell] * sum(
+            s == scratch for s, _ in rows)
+        deferred.place(torch.tensor(positions), torch.tensor(slots), torch.tensor(placement))
+        assert torch.equal(deferred.cell_table, direct.cell_table)
+        assert [deferred.cell_list(s) for s in range(N_SLOTS)] == [direct.cell_list(s) for s in range(N_SLOTS)]
+    sequence = new_cache(cfg, LAYOUT_SEQUENCE)
+    assert not sequence.placement_input
+    assert sequence.declare_rows([0, 1], [0, 0], defer=True) is None
