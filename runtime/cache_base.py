@@ -218,9 +218,9 @@ class KVCache(abc.ABC):
             first = last = ps[0]
         else:
             first, last = min(ps), max(ps)
-        if len(ps) > 1 and sorted(ps) != list(range(first, last + 1)):
-            raise CacheError(f"positions of slot {slot} in one step must be distinct and contiguous; "
-                             f"found {sorted(ps)}")
+            if sorted(ps) != list(range(first, last + 1)):
+                raise CacheError(f"positions of slot {slot} in one step must be distinct and contiguous; "
+                                 f"found {sorted(ps)}")
         if first > self._length[slot]:
             raise CacheError(f"position {first} of slot {slot} skips ahead of its length {self._length[slot]}; "
                              f"allowed: a step starts at a position <= length")

@@ -306,7 +306,7 @@ class ModelRunner:
                 inputs = list(to_device(flat, self.device).split(lengths))
             out = self._run(method, inputs, size is not None, extras=method == C.METHOD_FORWARD)
         if self.call_log is not None:
-            self.call_log.append((method, live[-1] if packed is not None else rows, time.perf_counter() - t0))
+            self.call_log.append((method, live[-1] if live else rows, time.perf_counter() - t0))  # live rows
         return out if size is None else plan.cut(out, live)
 
     def warm_up(self) -> None:
@@ -363,15 +363,16 @@ class ModelRunner:
         sink = self._sink
         dst = None if sink is None else hidden_dst if hidden_dst is not None else [sink.scratch] * n
         size = bucket_for(n, self._plans[C.METHOD_FORWARD].limit) if self.config.padded else None
-        if size is not None:
+        if size is not None:  # the forward's padding rows
             pad = size - n
+            token, position, slot, row = self._blank_forward_row()
             if pad:
-                tokens += [0] * pad
-                positions += [0] * pad
-                slots += [self.cache.scratch_slot] * pad
+                tokens += [token] * pad
+                positions += [position] * pad
+                slots += [slot] * pad
                 if dst is not None:
                     dst = dst + [sink.scratch] * pad
-            rows += [0] * (size - r)  # fewer logits rows than rows (prompt chunks): padded even when n fills it
+            rows += [row] * (size - r)  # fewer logits rows than rows (prompt chunks): padded even when n fills it
         columns = (tokens, positions, slots, rows) if dst is None else (tokens, positions, slots, rows, dst)
         step = StepBatch.of_packed(PackedStep(columns, size), n, r, groups, hidden_dst is not None)
         if draft_rows:
@@ -468,10 +469,14 @@ class ModelRunner:
         """Methods that run as compiled code (empty when the config does not compile)."""
         return tuple(self._compiled)
 
+    def _blank_forward_row(self) -> tuple[int, int, int, int]:
+        """A padding row of `forward` (token, position, slot, logits row): the scratch slot at position 0, logits
+        of row 0. `pack` pads with it, and the blank inputs are made of it."""
+        return 0, 0, self.cache.scratch_slot, 0
+
     def _blank_forward(self, size: int) -> list:
-        """`size` padding rows on the scratch slot at position 0; logits rows read row 0."""
-        zeros = torch.zeros(size, dtype=torch.long)
-        return [zeros, zeros, torch.full_like(zeros, self.cache.scratch_slot), zeros]
+        """`size` padding rows (`_blank_forward_row`)."""
+        return [torch.full((size,), x, dtype=torch.long) for x in self._blank_forward_row()]
 
     def _blank_block(self, size: int) -> list:
         """`size` blocks anchored at 0 on the draft scratch slot: they read no context and write nothing."""
