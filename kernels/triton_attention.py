@@ -4,6 +4,8 @@
 the signatures and semantics of `attend_columns_ref` / `attend_cells_ref` in
 `attention_ref.py`; `write_columns_triton` / `write_cells_triton` scatter a step's K/V
 into the storage (torch references `write_columns_ref` / `write_cells_ref` below).
+`draft_attend_columns_triton` / `draft_attend_cells_triton` are the drafter's block attention
+(`mg::draft_attend`, reference `draft_attend_ref` over the context `draft_context_span` selects).
 The kernels themselves live in `triton_attention_jit.py`.
 
 Launchers read only shapes, strides and static arguments on the host; positions,
@@ -255,6 +257,94 @@ def attend_cells_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q, k_pool, v_pool, positions, seq_slots, cell_table, capacity, span, cell_table.shape[0], scale,
         (0, k_pool.stride(0), k_pool.stride(1)), (0, v_pool.stride(0), v_pool.stride(1)),
         (cell_table.stride(0), cell_table.stride(1)), True, block_q, num_splits, plan)
+
+
+def _check_draft_side(q, k_blk, v_blk, positions, seq_slots, kv, kv_name: str) -> None:
+    _require(available(), f"Triton attention is unavailable: {reason}")
+    _require(q.dim() == 4, f"q must be [B, T, Hq, D], got shape {tuple(q.shape)}")
+    b, t, hq, d = q.shape
+    _require(k_blk.dim() == 4 and k_blk.shape == v_blk.shape and k_blk.shape[:2] == (b, t)
+             and k_blk.shape[3] == d and hq % k_blk.shape[2] == 0,
+             f"k/v must both be [B, T, Hkv, D] = [{b}, {t}, Hkv, {d}] with Hkv dividing {hq}, got "
+             f"{tuple(k_blk.shape)} and {tuple(v_blk.shape)}")
+    _require(kv.shape[-2:] == k_blk.shape[2:], f"{kv_name} [..., Hkv, D] {tuple(kv.shape)} does not match k "
+             f"{tuple(k_blk.shape)}")
+    _require(q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k_blk.dtype == v_blk.dtype == kv.dtype,
+             f"q, k, v and {kv_name} must share one dtype, float32 or bfloat16; got {q.dtype}, {k_blk.dtype}, "
+             f"{v_blk.dtype}, {kv.dtype}")
+    _require(all(x.stride(-1) == 1 for x in (q, k_blk, v_blk, kv)), f"q, k, v and {kv_name} need a contiguous last dim")
+    _require(positions.dtype == torch.int64 and positions.dim() == 2 and positions.shape[0] == b,
+             f"positions must be [B, T] int64 with B = {b}, got {tuple(positions.shape)} {positions.dtype}")
+    _require(seq_slots.dtype == torch.int64 and seq_slots.shape == (b,) and seq_slots.is_contiguous(),
+             f"seq_slots must be a contiguous [B] = [{b}] int64 tensor, got {tuple(seq_slots.shape)} {seq_slots.dtype}")
+    for x in (k_blk, v_blk, positions, seq_slots, kv):
+        _require(x.device == q.device, f"every input must be on {q.device}; one is on {x.device}")
+
+
+def _launch_draft(q, k_blk, v_blk, k, v, positions, seq_slots, table, rows: int, span: int, scale: float,
+                  k_strides: tuple[int, int, int], v_strides: tuple[int, int, int], table_strides: tuple[int, int],
+                  is_cell: bool) -> torch.Tensor:
+    b, t, hq, d = q.shape
+    hkv = k_blk.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if b == 0 or t == 0:
+        return out
+    group = hq // hkv
+    block_t = max(16, _next_pow2(t))
+    block_d = max(16, _next_pow2(d))
+    upcast = _INTERPRETING and q.dtype != torch.float32
+    wide = q.dtype == torch.float32 or block_t * _next_pow2(group) > 64
+    _jit._draft_attend_kernel[(b, hkv)](
+        q, k_blk, v_blk, k, v, out, positions, seq_slots, table, span, rows, scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k_blk.stride(0), k_blk.stride(1), k_blk.stride(2),
+        v_blk.stride(0), v_blk.stride(1), v_blk.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        positions.stride(0), *k_strides, *v_strides, *table_strides,
+        T=t, BLOCK_T=block_t, GROUP=group, GP=_next_pow2(group),
+        BLOCK_N=32 if q.dtype == torch.float32 or block_d > 128 else 64, HEAD_DIM=d, BLOCK_D=block_d,
+        IS_CELL=is_cell, DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
+        num_warps=8 if wide else 4, num_stages=2,
+    )
+    return out
+
+
+def draft_attend_columns_triton(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_store: torch.Tensor,
+                                v_store: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor, window: int,
+                                scale: float) -> torch.Tensor:
+    """The drafter's block attention (`mg::draft_attend`) over kBatchedSequence storage, in one kernel: what
+    `draft_attend_ref` computes over the context `draft_context_span` selects, gathered from the columns.
+
+    q [B, T, Hq, D]; k_blk/v_blk [B, T, Hkv, D] (the block's own keys, all visible to every row);
+    k_store/v_store [slots, rows, Hkv, D]; positions [B, T] int64 (column 0, the anchor, is read: the
+    context is positions [anchor - span, anchor), span = min(window, rows), or rows for window 0);
+    seq_slots [B] int64 -> [B, T, Hq, D] in q's dtype.
+    """
+    _check_draft_side(q, k_blk, v_blk, positions, seq_slots, k_store, "k_store")
+    _require(k_store.dim() == 4 and k_store.shape == v_store.shape and v_store.stride(-1) == 1
+             and v_store.dtype == k_store.dtype and v_store.device == k_store.device,
+             f"k_store/v_store must both be [slots, rows, Hkv, D] of one dtype, got {tuple(k_store.shape)} and "
+             f"{tuple(v_store.shape)}")
+    rows = k_store.shape[1]
+    return _launch_draft(q, k_blk, v_blk, k_store, v_store, positions, seq_slots, seq_slots, rows,
+                         _span(window, rows), scale, k_store.stride()[:3], v_store.stride()[:3], (0, 0), False)
+
+
+def draft_attend_cells_triton(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_pool: torch.Tensor,
+                              v_pool: torch.Tensor, cell_table: torch.Tensor, positions: torch.Tensor,
+                              seq_slots: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """`draft_attend_columns_triton` over kBatchedCell storage: k_pool/v_pool [cells, Hkv, D], cell_table
+    [slots, capacity] int64; the context span is min(window, capacity), or capacity for window 0."""
+    _check_draft_side(q, k_blk, v_blk, positions, seq_slots, k_pool, "k_pool")
+    _require(k_pool.dim() == 3 and k_pool.shape == v_pool.shape and v_pool.stride(-1) == 1
+             and v_pool.dtype == k_pool.dtype and v_pool.device == k_pool.device,
+             f"k_pool/v_pool must both be [cells, Hkv, D] of one dtype, got {tuple(k_pool.shape)} and "
+             f"{tuple(v_pool.shape)}")
+    _require(cell_table.dim() == 2 and cell_table.dtype == torch.int64 and cell_table.device == q.device,
+             f"cell_table must be [slots, capacity] int64 on {q.device}, got {tuple(cell_table.shape)} "
+             f"{cell_table.dtype} on {cell_table.device}")
+    capacity = cell_table.shape[1]
+    return _launch_draft(q, k_blk, v_blk, k_pool, v_pool, positions, seq_slots, cell_table, capacity,
+                         _span(window, capacity), scale, (0, k_pool.stride(0), k_pool.stride(1)),
+                         (0, v_pool.stride(0), v_pool.stride(1)), (cell_table.stride(0), cell_table.stride(1)), True)
 
 
 def write_columns_ref(k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,

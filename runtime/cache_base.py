@@ -126,6 +126,14 @@ class KVCache(abc.ABC):
         """K/V [B, S, Hkv, D] of slot seq_slots[b] at positions key_pos [B, S] (positions must be held)."""
 
     @abc.abstractmethod
+    def attend_block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     seq_slots: torch.Tensor, layer_id: int, window: int, scale: float) -> torch.Tensor:
+        """The drafter's block attention (`mg::draft_attend`) with the Triton kernel, for caches that use it:
+        q [B, T, Hq, D] and the block's k/v [B, T, Hkv, D] in the storage dtype, positions [B, T] (anchor in
+        column 0), seq_slots [B] -> [B, T, Hq, D]; the context read is `draft_context_span`'s, span
+        min(window, max rows) (window 0: all)."""
+
+    @abc.abstractmethod
     def max_span(self, layer_id: int) -> int:
         """How many positions a read of this layer may need at most, from storage shapes only."""
 

@@ -99,6 +99,11 @@ class BatchedCellCache(KVCache):
         self._span_read = True
         return self.read_span
 
+    def attend_block(self, q, k, v, positions, seq_slots, layer_id: int, window: int, scale: float) -> torch.Tensor:
+        # The kernel bounds its context loop by the anchor: the read span is not used (graphs stay valid as it grows).
+        return triton_attention.draft_attend_cells_triton(q, k, v, self._k[layer_id], self._v[layer_id],
+                                                          self.cell_table, positions, seq_slots, window, scale)
+
     def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         self.write(k, v, positions, seq_slots, layer_id)
         k_pool, v_pool = self._k[layer_id], self._v[layer_id]

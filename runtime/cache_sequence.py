@@ -91,6 +91,11 @@ class BatchedSequenceCache(KVCache):
     def max_span(self, layer_id: int) -> int:
         return self.rows(layer_id)
 
+    def attend_block(self, q, k, v, positions, seq_slots, layer_id: int, window: int, scale: float) -> torch.Tensor:
+        k_store, v_store = self._k[layer_id], self._v[layer_id]
+        return triton_attention.draft_attend_columns_triton(q, k, v, k_store, v_store, positions, seq_slots, window,
+                                                            scale)
+
     def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         self.write(k, v, positions, seq_slots, layer_id)
         k_store, v_store = self._k[layer_id], self._v[layer_id]

@@ -3,7 +3,9 @@
 `mg::draft_append(k, v, positions, seq_slots, layer_id)` writes committed
 context rows; `mg::draft_attend(q, k, v, positions, seq_slots, layer_id,
 scale)` attends a block [B, T] non-causally over its sequence's cached context
-(positions before the anchor, positions[:, 0]) plus the block's own K/V.
+(positions before the anchor, positions[:, 0]) plus the block's own K/V: with
+the cache's Triton kernels (`KVCache.attend_block`) when it uses them, else
+the torch reference over the gathered context.
 Knows the cache protocol and the reference kernels; nothing about models.
 """
 
@@ -27,6 +29,9 @@ class DraftOps:
 
     def attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         window = self.windows[layer_id]
+        if self.cache.use_triton and q.dtype == self.cache.dtype:  # one kernel (the reference: ~20 ops a layer)
+            return self.cache.attend_block(q, k.to(q.dtype), v.to(q.dtype), positions, seq_slots, layer_id, window,
+                                           scale)
         span = self.cache.max_span(layer_id)
         span = min(window, span) if window else span
         key_pos, valid = draft_context_span(positions[:, 0], window, span)

@@ -1,0 +1,122 @@
+"""The drafter's Triton block attention (`mg::draft_attend`) matches the torch reference in both KV layouts.
+
+Runs on CUDA, or on CPU through the Triton interpreter when MG_TRITON_INTERPRET=1 (small shapes there).
+The reference gathers each block's context (`draft_context_span`) from the columns and runs
+`draft_attend_ref`; the kernels read the same keys from the columns or through a shuffled cell table.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from triton_setup import DEVICE, cuda_only, module_marks  # first: sets TRITON_INTERPRET
+
+pytest.importorskip("triton")
+
+from mg.kernels.draft_attention_ref import draft_attend_ref, draft_context_span  # noqa: E402
+from mg.kernels import triton_attention as ta  # noqa: E402
+
+pytestmark = module_marks(ta.available(), ta.reason)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    hq: int
+    hkv: int
+    head_dim: int
+    t: int                       # rows per block
+    anchors: tuple[int, ...]     # [B] each block's first position (its context: positions before it)
+    window: int = 0              # 0: all of the context
+    rows: int = 0                # columns' rows (0: capacity); fewer than the anchors wrap (a ring)
+
+    @property
+    def capacity(self) -> int:
+        return max(self.anchors) + self.t + 2
+
+
+CASES = [
+    Case("g2-flat-t16", 4, 2, 16, 16, (37, 0, 70)),
+    Case("g1-ring-wrap-t5", 2, 2, 16, 5, (90, 13, 24), window=24, rows=28),
+    Case("g4-window-wider-than-rows", 8, 2, 16, 7, (20, 45), window=64),  # span = rows (the capacity, 54)
+    Case("g3-window-t16", 6, 2, 32, 16, (1, 66), window=17),
+]
+CUDA_CASES = [
+    Case("g4-d128-long", 16, 4, 128, 16, (2047, 5, 900, 1500)),
+    Case("g8-d64-ring", 16, 2, 64, 16, (3000, 512, 100), window=512, rows=527),
+]
+ALL_CASES = CASES + [pytest.param(c, marks=cuda_only) for c in CUDA_CASES]
+
+
+def _inputs(case: Case, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    b, slots = len(case.anchors), len(case.anchors) + 2  # an idle slot, then the scratch slot
+    rows = case.rows or case.capacity
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    k_store, v_store = rand(slots, rows, case.hkv, case.head_dim), rand(slots, rows, case.hkv, case.head_dim)
+    # The cell layout holds the same keys at shuffled cells: (slot, position) -> the column's row p % rows.
+    n_cells = slots * case.capacity + 1
+    cell_table = torch.randperm(n_cells - 1, generator=g)[: slots * case.capacity].view(slots, case.capacity)
+    k_pool, v_pool = rand(n_cells, case.hkv, case.head_dim), rand(n_cells, case.hkv, case.head_dim)
+    p = torch.arange(case.capacity)
+    for s in range(slots):
+        k_pool[cell_table[s, p]], v_pool[cell_table[s, p]] = k_store[s, p % rows], v_store[s, p % rows]
+    q = rand(b, case.t, case.hq, case.head_dim)
+    k_blk, v_blk = rand(b, case.t, case.hkv, case.head_dim), rand(b, case.t, case.hkv, case.head_dim)
+    anchors = torch.tensor(case.anchors, dtype=torch.int64)
+    positions = anchors[:, None] + torch.arange(case.t)[None, :]
+    seq_slots = torch.arange(b - 1, -1, -1, dtype=torch.int64)  # distinct slots, not in block order
+    to = lambda *xs: [x.to(DEVICE) for x in xs]  # noqa: E731
+    return to(q, k_blk, v_blk, k_store, v_store, k_pool, v_pool, cell_table, positions, seq_slots), rows
+
+
+def _reference(q, k_blk, v_blk, k_store, v_store, positions, seq_slots, window, rows):
+    span = min(window, rows) if window else rows
+    key_pos, valid = draft_context_span(positions[:, 0], window, span)
+    slots = seq_slots[:, None].expand_as(key_pos)
+    return draft_attend_ref(q, k_blk, v_blk, k_store[slots, key_pos % rows], v_store[slots, key_pos % rows],
+                            valid, 0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
+def test_draft_attend_triton_matches_the_reference_in_both_layouts(case, dtype):
+    (q, k_blk, v_blk, k_store, v_store, k_pool, v_pool, table, positions, slots), rows = _inputs(case, dtype)
+    want = _reference(q, k_blk, v_blk, k_store, v_store, positions, slots, case.window, rows).float()
+    columns = ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots, case.window, 0.3)
+    cells = ta.draft_attend_cells_triton(q, k_blk, v_blk, k_pool, v_pool, table, positions, slots, case.window, 0.3)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert columns.shape == cells.shape == q.shape and columns.dtype == cells.dtype == dtype
+    torch.testing.assert_close(columns.float(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(cells.float(), want, atol=tol, rtol=tol)
+
+
+def test_draft_attend_triton_reads_only_the_context_before_the_anchor():
+    """Keys at and after each block's anchor (stale rows of rejected drafts) change nothing; the context
+    before it does."""
+    case = CASES[0]
+    (q, k_blk, v_blk, k_store, v_store, _, _, _, positions, slots), rows = _inputs(case, torch.float32)
+    before = ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots, 0, 0.3)
+    stale = k_store.clone()
+    for b, anchor in enumerate(case.anchors):
+        stale[slots[b], anchor:] = 1e3
+    after = ta.draft_attend_columns_triton(q, k_blk, v_blk, stale, v_store, positions, slots, 0, 0.3)
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    changed = k_store.clone()
+    changed[slots[0], case.anchors[0] - 1] += 1.0
+    moved = ta.draft_attend_columns_triton(q, k_blk, v_blk, changed, v_store, positions, slots, 0, 0.3)
+    assert not torch.equal(moved[0], before[0]) and torch.equal(moved[1:], before[1:])
+
+
+def test_draft_attend_triton_refuses_mismatched_inputs_with_one_clear_line():
+    (q, k_blk, v_blk, k_store, v_store, _, _, _, positions, slots), _ = _inputs(CASES[0], torch.float32)
+    with pytest.raises(ValueError, match=r"k/v must both be \[B, T, Hkv, D\]"):
+        ta.draft_attend_columns_triton(q, k_blk[:, :3], v_blk, k_store, v_store, positions, slots, 0, 0.3)
+    with pytest.raises(ValueError, match="must share one dtype"):
+        ta.draft_attend_columns_triton(q, k_blk.bfloat16(), v_blk, k_store, v_store, positions, slots, 0, 0.3)
+    with pytest.raises(ValueError, match=r"seq_slots must be a contiguous \[B\]"):
+        ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots.int(), 0, 0.3)
