@@ -40,13 +40,12 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from mg.manifests import constants as C
 
 from .cuda_graphs import GraphRunner, bucket_for, buckets
-from .model_runner import ModelRunner, time_buckets
+from .model_runner import ModelRunner, long_tensor, time_buckets
 from .sampling import SamplingBatch, SamplingParams
 from .spec_accept import accept
 
@@ -77,7 +76,7 @@ class FusedRound:
         self._greedy: dict[int, SamplingBatch] = {}
         self._graphs: Optional[GraphRunner] = None
         if runner.config.graphs and self.limit >= 1:
-            self._graphs = GraphRunner(self._round, lambda b: [self._pack([], b).to(runner.device)],
+            self._graphs = GraphRunner(self._round, lambda b: [self._pack([], b)[0].to(runner.device)],
                                        self._version, runner.counters)
 
     # ------------------------------------------------------------------ the packed inputs
@@ -87,33 +86,48 @@ class FusedRound:
         # pending | block positions | block slots | verify positions | verify slots | caps | append positions | append slots
         return [b, b * self.t, b, b * k, b * k, b, b * k, b * k]
 
-    def _pack(self, members: list[Member], bucket: int) -> torch.Tensor:
-        """The round's index tensor on the host (members first, then padding members)."""
-        k, t, n = self.block, self.t, len(members)
-        target_scratch, draft_scratch = self.runner.cache.scratch_slot, self.runner.draft_cache.scratch_slot
-        pending = np.zeros(bucket, np.int64)
-        anchor = np.zeros(bucket, np.int64)
-        slot = np.zeros(bucket, np.int64)
-        cap = np.zeros(bucket, np.int64)
-        live = np.zeros(bucket, bool)
-        if n:
-            pending[:n], anchor[:n], slot[:n], cap[:n] = np.array(
-                [(m.pending, m.position, m.slot, m.cap) for m in members], np.int64).T
-            live[:n] = True
-        drafting = live & (cap > 0)
-        cols = np.arange(k)
-        verified = live[:, None] & (cols[None, :] <= cap[:, None])  # [bucket, k]: rows 0..cap of live members
-        appended = verified & drafting[:, None]
-        pos = anchor[:, None] + cols[None, :]
-        parts = [
-            pending,
-            np.where(drafting[:, None], anchor[:, None], 0) + np.arange(t)[None, :],
-            np.where(drafting, slot, draft_scratch),
-            np.where(verified, pos, 0), np.where(verified, slot[:, None], target_scratch),
-            cap,
-            np.where(appended, pos, 0), np.where(appended, slot[:, None], draft_scratch),
-        ]
-        return torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
+    def _pack(self, members: list[Member], bucket: int) -> tuple[torch.Tensor, tuple[list, list], tuple[list, list]]:
+        """The round's index tensor on the host (members first, then padding members), and the rows it writes as
+        lists: (verify positions, slots) in the target cache, (append positions, slots) in the draft cache, for
+        admission. Built as lists, one tensor at the end: a round's host work is part of its time."""
+        k, t = self.block, self.t
+        ts, ds = self.runner.cache.scratch_slot, self.runner.draft_cache.scratch_slot
+        pending, blk_pos, blk_slot, ver_pos, ver_slot, caps, app_pos, app_slot = [], [], [], [], [], [], [], []
+        blank_blk = list(range(t))
+        for m in members:
+            pending.append(m.pending)
+            caps.append(m.cap)
+            a = m.position
+            if m.cap > 0:  # drafting: its block at its position; rows 0..cap verified and appended
+                v = min(m.cap, k - 1) + 1
+                rest = k - v
+                blk_pos += range(a, a + t)
+                blk_slot.append(m.slot)
+                ver_pos += range(a, a + v)
+                ver_pos += [0] * rest
+                ver_slot += [m.slot] * v + [ts] * rest
+                app_pos += range(a, a + v)
+                app_pos += [0] * rest
+                app_slot += [m.slot] * v + [ds] * rest
+            else:  # a plain step in the round: its one row verified, nothing drafted or appended
+                blk_pos += blank_blk
+                blk_slot.append(ds)
+                ver_pos += [a] + [0] * (k - 1)
+                ver_slot += [m.slot] + [ts] * (k - 1)
+                app_pos += [0] * k
+                app_slot += [ds] * k
+        pad = bucket - len(members)
+        if pad:
+            pending += [0] * pad
+            caps += [0] * pad
+            blk_pos += blank_blk * pad
+            blk_slot += [ds] * pad
+            ver_pos += [0] * (k * pad)
+            ver_slot += [ts] * (k * pad)
+            app_pos += [0] * (k * pad)
+            app_slot += [ds] * (k * pad)
+        packed = long_tensor(pending, blk_pos, blk_slot, ver_pos, ver_slot, caps, app_pos, app_slot)
+        return packed, (ver_pos, ver_slot), (app_pos, app_slot)
 
     def _split(self, packed: torch.Tensor, b: int) -> list[torch.Tensor]:
         return list(packed.split(self._sizes(b)))
@@ -157,7 +171,7 @@ class FusedRound:
         if n == 0 or bucket is None:
             raise ValueError(f"a fused round of {n} sequences; allowed: 1..{self.limit}")
         t0 = time.perf_counter()
-        out, hidden = self._launch(self._pack(members, bucket), bucket)
+        out, hidden = self._launch(*self._pack(members, bucket), bucket)
         log = self.runner.call_log
         if log is not None:
             log.append((self.name, n, time.perf_counter() - t0))
@@ -176,18 +190,17 @@ class FusedRound:
             for b in buckets(self.limit):
                 self._run_blank(b)
 
-    def _launch(self, packed: torch.Tensor, bucket: int) -> list:
+    def _launch(self, packed: torch.Tensor, verify: tuple[list, list], append: tuple[list, list], bucket: int) -> list:
         """Admit the packed round's verify rows (target cache) and append rows (draft cache) on the host,
         then run it: the bucket's graph replay, or the round eagerly without graphs. -> [out, hidden]."""
-        _, _, _, ver_pos, ver_slot, _, app_pos, app_slot = self._split(packed, bucket)
-        self.runner.cache.declare_step(ver_pos, ver_slot)
-        self.runner.draft_cache.declare_step(app_pos, app_slot)
+        self.runner.cache.declare_rows(*verify)
+        self.runner.draft_cache.declare_rows(*append)
         if self._graphs is not None:
             return self._graphs.run(bucket, [packed])
         return self._round([packed.to(self.runner.device)])
 
     def _run_blank(self, b: int) -> None:
-        self._launch(self._pack([], b), b)
+        self._launch(*self._pack([], b), b)
 
     def measure(self, reps: int = 3) -> dict[int, float]:
         """Seconds per round at each bucket, on padding-only rounds (as `ModelRunner.measure` times methods)."""

@@ -32,6 +32,7 @@ mg.export. See docs/ARCHITECTURE.md section 6.
 from __future__ import annotations
 
 import contextlib
+from array import array
 import logging
 import time
 import weakref
@@ -76,7 +77,7 @@ class PackedStep:
     def flat(self, *extra: list) -> tuple[torch.Tensor, tuple[int, ...]]:
         """(one host int64 tensor of the columns and then `extra`, in order; each one's length)."""
         columns = (*self.columns, *extra)
-        return torch.tensor([x for column in columns for x in column], dtype=torch.long), tuple(map(len, columns))
+        return long_tensor(*columns), tuple(map(len, columns))
 
     def inputs(self) -> list:
         """The columns as tensors (views of one)."""
@@ -295,7 +296,7 @@ class ModelRunner:
             if plan.cache is not None:  # padding rows too, as above
                 placement = plan.cache.declare_step(inputs[1], inputs[2], defer=placing)
                 if placing:
-                    inputs = [*inputs, torch.tensor(placement, dtype=torch.long)]
+                    inputs = [*inputs, long_tensor(placement)]
         graphs = self._graphs.get(method)
         if size is not None and graphs is not None:
             out = graphs.run(size, inputs, flat)
@@ -376,8 +377,7 @@ class ModelRunner:
         columns = (tokens, positions, slots, rows) if dst is None else (tokens, positions, slots, rows, dst)
         step = StepBatch.of_packed(PackedStep(columns, size), n, r, groups, hidden_dst is not None)
         if draft_rows:
-            as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-            step.draft_tokens, step.draft_rows, step.draft_src = draft_tokens, as_long(draft_rows), as_long(draft_src)
+            step.draft_tokens, step.draft_rows, step.draft_src = draft_tokens, long_tensor(draft_rows), long_tensor(draft_src)
         return step
 
     # ------------------------------------------------------------------ costs
@@ -566,6 +566,15 @@ def time_buckets(device: torch.device, sizes, call: Callable[[int], object], rep
     for small, large in zip(ordered[-2::-1], ordered[:0:-1]):
         out[small] = min(out[small], out[large])
     return out
+
+
+def long_tensor(*lists: list) -> torch.Tensor:
+    """One int64 host tensor of the concatenated lists of ints: `torch.tensor(list)` converts element by element
+    (about 55 ns each); an array's buffer is one copy (a few times faster at a step's sizes)."""
+    values = array("q")
+    for xs in lists:
+        values.extend(xs)
+    return torch.frombuffer(values, dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

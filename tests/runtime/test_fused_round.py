@@ -212,18 +212,22 @@ def test_a_rounds_packed_inputs_put_padding_on_the_scratch_slots(tiny_dflash_seq
     fused, runner = engine.spec.fused, engine.runner
     k, t = fused.block, fused.t
     ts, ds = runner.cache.scratch_slot, runner.draft_cache.scratch_slot
-    packed = fused._pack([Member(11, 20, 1, 3), Member(12, 7, 0, 0)], 4)
+    packed, verify, append = fused._pack([Member(11, 20, 1, 3), Member(12, 7, 0, 0), Member(13, 2, 2, k - 1)], 4)
     pending, blk_pos, blk_slot, ver_pos, ver_slot, cap, app_pos, app_slot = fused._split(packed, 4)
-    assert pending.tolist() == [11, 12, 0, 0] and cap.tolist() == [3, 0, 0, 0]
+    assert verify == (ver_pos.tolist(), ver_slot.tolist()) and append == (app_pos.tolist(), app_slot.tolist())
+    assert pending.tolist() == [11, 12, 13, 0] and cap.tolist() == [3, 0, k - 1, 0]
     assert blk_pos.view(4, t)[0].tolist() == list(range(20, 20 + t))
-    assert blk_pos.view(4, t)[1:].tolist() == [list(range(t))] * 3 and blk_slot.tolist() == [1, ds, ds, ds]
+    assert blk_pos.view(4, t)[2].tolist() == list(range(2, 2 + t))
+    assert blk_pos.view(4, t)[1::2].tolist() == [list(range(t))] * 2 and blk_slot.tolist() == [1, ds, 2, ds]
     ver_pos, ver_slot = ver_pos.view(4, k).tolist(), ver_slot.view(4, k).tolist()
     assert ver_pos[0] == [20, 21, 22, 23] + [0] * (k - 4) and ver_slot[0] == [1] * 4 + [ts] * (k - 4)
     assert ver_pos[1] == [7] + [0] * (k - 1) and ver_slot[1] == [0] + [ts] * (k - 1)
-    assert ver_pos[2:] == [[0] * k] * 2 and ver_slot[2:] == [[ts] * k] * 2
+    assert ver_pos[2] == list(range(2, 2 + k)) and ver_slot[2] == [2] * k  # every row verified
+    assert ver_pos[3] == [0] * k and ver_slot[3] == [ts] * k
     app_pos, app_slot = app_pos.view(4, k).tolist(), app_slot.view(4, k).tolist()
     assert app_pos[0] == ver_pos[0] and app_slot[0] == [1] * 4 + [ds] * (k - 4)
-    assert app_pos[1:] == [[0] * k] * 3 and app_slot[1:] == [[ds] * k] * 3
+    assert app_pos[2] == ver_pos[2] and app_slot[2] == [2] * k
+    assert app_pos[1::2] == [[0] * k] * 2 and app_slot[1::2] == [[ds] * k] * 2
 
 
 def test_a_round_of_no_sequences_or_too_many_is_refused(tiny_dflash_seq_artifact):
