@@ -30,8 +30,8 @@ class DraftOps:
     def attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         window = self.windows[layer_id]
         if self.cache.use_triton and q.dtype == self.cache.dtype:  # one kernel (the reference: ~20 ops a layer)
-            return self.cache.attend_block(q, k.to(q.dtype), v.to(q.dtype), positions, seq_slots, layer_id, window,
-                                           scale)
+            q, k, v = (x.to(q.dtype) if x.stride(-1) == 1 else x.to(q.dtype).contiguous() for x in (q, k, v))
+            return self.cache.attend_block(q, k, v, positions, seq_slots.contiguous(), layer_id, window, scale)
         span = self.cache.max_span(layer_id)
         span = min(window, span) if window else span
         key_pos, valid = draft_context_span(positions[:, 0], window, span)

@@ -120,3 +120,42 @@ def test_draft_attend_triton_refuses_mismatched_inputs_with_one_clear_line():
         ta.draft_attend_columns_triton(q, k_blk.bfloat16(), v_blk, k_store, v_store, positions, slots, 0, 0.3)
     with pytest.raises(ValueError, match=r"seq_slots must be a contiguous \[B\]"):
         ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots.int(), 0, 0.3)
+
+
+@pytest.mark.parametrize("layout", ["sequence", "cell"])
+def test_draft_ops_give_the_reference_answer_through_either_cache_with_the_kernel(layout):
+    """The drafter's op as the runtime binds it (`DraftOps.attend`): with the cache's Triton kernel
+    (`KVCache.attend_block`) it answers as with the torch reference, on a ring that has wrapped, a flat
+    layer and a padding block on the scratch slot."""
+    from mg.manifests import KVLayer, KVSpec
+    from mg.manifests.constants import POLICY_FLAT, POLICY_RING
+    from mg.runtime.cache_base import make_cache
+    from mg.runtime.draft_ops import DraftOps
+
+    cell = layout == "cell"
+    layers = (KVLayer(0, POLICY_RING, 6, 2, 16), KVLayer(1, POLICY_FLAT, 0, 2, 16))
+    spec = KVSpec(layout=layout, max_seqs=None if cell else 3, max_cells=120 if cell else None, capacity=40,
+                  max_write=8, dtype="float32", layers=layers)
+    cache = make_cache(spec, DEVICE)
+    ops = DraftOps(cache)
+    g = torch.Generator().manual_seed(3)
+    lengths = {0: 21, 2: 9}  # slot -> committed context (slot 0's ring of 13 rows has wrapped)
+    for slot, length in lengths.items():
+        for start in range(0, length, 8):
+            pos = list(range(start, min(length, start + 8)))
+            cache.declare_rows(pos, [slot] * len(pos))
+            for layer in range(2):
+                k, v = (torch.randn(len(pos), 2, 16, generator=g).to(DEVICE) for _ in range(2))
+                ops.append(k, v, torch.tensor(pos, device=DEVICE), torch.full((len(pos),), slot, device=DEVICE), layer)
+    t = 16
+    anchors = torch.tensor([21, 0, 9], device=DEVICE)
+    positions = anchors[:, None] + torch.arange(t, device=DEVICE)[None, :]
+    slots = torch.tensor([0, cache.scratch_slot, 2], device=DEVICE)
+    for layer in range(2):
+        q = torch.randn(3, t, 4, 16, generator=g).to(DEVICE)
+        k, v = (torch.randn(3, t, 2, 16, generator=g).to(DEVICE) for _ in range(2))
+        cache.use_triton = False
+        want = ops.attend(q, k, v, positions, slots, layer, 0.25)
+        cache.use_triton = True
+        got = ops.attend(q, k, v, positions, slots, layer, 0.25)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
