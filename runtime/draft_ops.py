@@ -19,6 +19,8 @@ from .cache_base import KVCache
 
 
 class DraftOps:
+    kernel = True  # False: the reference even where the cache has the kernel (scripts/profile_round.py compares)
+
     def __init__(self, cache: KVCache):
         self.cache = cache
         self.windows = [layer.window for layer in cache.spec.layers]
@@ -29,7 +31,7 @@ class DraftOps:
 
     def attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         window = self.windows[layer_id]
-        if self.cache.use_triton and q.dtype == self.cache.dtype:  # one kernel (the reference: ~20 ops a layer)
+        if self.kernel and self.cache.use_triton and q.dtype == self.cache.dtype:  # one kernel, not ~20 ops a layer
             q, k, v = (x.to(q.dtype) if x.stride(-1) == 1 else x.to(q.dtype).contiguous() for x in (q, k, v))
             return self.cache.attend_block(q, k, v, positions, seq_slots.contiguous(), layer_id, window, scale)
         span = self.cache.max_span(layer_id)

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one go: CUDA tests (kernels, caches, sampling, CUDA graphs, engines), the
 # attention, quantized-linear and decode benchmarks, the DFlash evaluation of the embedded default on CUDA, the engine's per-step
-# profile (time, graph captures, host synchronisations), the host work of a plain step per engine, the real-width decode benchmark and the serving
-# benchmark. Results (logs,
+# profile (time, graph captures, host synchronisations), the host work of a plain step per engine, a DFlash round's
+# calls kernel by kernel (drafter attention as the Triton kernel and as the torch reference), the real-width
+# decode benchmark and the serving benchmark. Results (logs,
 # JSON, Markdown tables) go to ${OUT:-gpu-results}. Works from a source checkout without installing: the mg.*
 # namespace is mapped with links.
 #
-#   scripts/gpu_checks.sh                      # everything: tests attention quant decode eval profile host real real-quant serve
+#   scripts/gpu_checks.sh                      # everything: tests attention quant decode eval profile host round real real-quant serve
 #   scripts/gpu_checks.sh tests eval           # only those steps, in that order
 #
 # `real` exports the first 16 layers of MG-30B at full width (~21 GB of weights, written under
@@ -26,7 +27,7 @@ for pkg in export runtime kernels manifests; do ln -s "$ROOT/$pkg" "$NS/mg/$pkg"
 export PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention quant decode eval profile host real real-quant serve)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention quant decode eval profile host round real real-quant serve)
 status=0
 for step in "${steps[@]}"; do
     case "$step" in
@@ -41,6 +42,12 @@ for step in "${steps[@]}"; do
                   --profile "$OUT/profiles" 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/profile_engine_cuda.md" ;;
         host) python3 scripts/bench_host_step.py --device cuda --batches 1,8 --out "$OUT/bench_host_step_cuda.json" \
                   2>&1 | grep -v "Warning\|return cls" | tee "$OUT/bench_host_step_cuda.md" ;;
+        round) for a in kernel reference; do
+                  python3 scripts/profile_round.py --device cuda --draft-attention "$a" \
+                      --out "$OUT/profile_round_cuda_$a.json" 2>&1 | grep -v "Warning\|return cls" \
+                      | tee "$OUT/profile_round_cuda_$a.md"
+                  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+              done ;;
         real) python3 scripts/bench_decode.py --preset mg-30b --n-layers 16 --modes graphs,compiled \
                   --batches 1,8,32 --dflash-batches 1,8 \
                   --max-new 32 --steps 10 ${MG_BENCH_WORKDIR:+--workdir "$MG_BENCH_WORKDIR"} \
@@ -56,7 +63,7 @@ for step in "${steps[@]}"; do
               done ;;
         serve) python3 scripts/bench_serve.py --device cuda --out "$OUT/bench_serve_cuda.json" 2>&1 \
                   | tee "$OUT/bench_serve_cuda.md" ;;
-        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention quant decode eval profile host real real-quant serve" >&2; exit 2 ;;
+        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention quant decode eval profile host round real real-quant serve" >&2; exit 2 ;;
     esac
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
