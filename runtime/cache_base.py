@@ -94,6 +94,16 @@ class KVCache(abc.ABC):
             self._length[slot] = max(self._length[slot], last + 1)
         return self._placement(positions, seq_slots) if defer else None
 
+    def declare_spans(self, spans: list[tuple[int, int, int]]) -> None:
+        """`declare_rows` of rows given as spans (slot, first position, rows), one per live slot: a fused round's
+        (its padding rows, on the scratch slot, need no admission). The same checks and the same effect as
+        the rows listed one by one, without a loop over rows where the layout needs none."""
+        plan = self._plan_spans(spans)
+        self._refuse_step(plan)
+        self._apply_step(plan)
+        for slot, (_, last) in plan.spans.items():
+            self._length[slot] = max(self._length[slot], last + 1)
+
     # Layouts whose admission writes per-row placement to the device (the cell table): with `declare_rows(...,
     # defer=True)` the step writes it itself (`place`), from one more input column, instead of admission
     # sending it in copies of its own.
@@ -210,6 +220,35 @@ class KVCache(abc.ABC):
             tokens.append((slot, pos))
         spans = {slot: self._check_span(slot, ps) for slot, ps in by_slot.items()}
         return StepPlan(tuple(tokens), spans)
+
+    # Does `_apply_step` / `_refuse_step` read a plan's tokens (per-row placement), or its spans only?
+    plans_tokens = True
+
+    def _plan_spans(self, spans: list[tuple[int, int, int]]) -> StepPlan:
+        n = sum(m for _, _, m in spans)
+        if n > self.max_write:
+            raise CacheError(f"the step has N={n} tokens; allowed: at most max_write={self.max_write}")
+        by_slot: dict[int, tuple[int, int]] = {}
+        tokens: list[tuple[int, int]] = []
+        for slot, first, m in spans:
+            last = first + m - 1
+            if m < 1 or not 0 <= slot < self.scratch_slot:
+                raise CacheError(f"span ({slot}, {first}, {m}): a span names a live slot in 0..{self.n_slots - 1} "
+                                 f"and at least one row (padding rows need no admission)")
+            for pos in (first, last):
+                if not 0 <= pos < self.capacity:
+                    raise CacheError(f"position {pos} (slot {slot}) is beyond capacity={self.capacity}; "
+                                     f"allowed: 0..{self.capacity - 1}")
+            if slot in by_slot:
+                raise CacheError(f"positions of slot {slot} in one step must be distinct and contiguous; "
+                                 f"found two spans")
+            if first > self._length[slot]:
+                raise CacheError(f"position {first} of slot {slot} skips ahead of its length {self._length[slot]}; "
+                                 f"allowed: a step starts at a position <= length")
+            by_slot[slot] = (first, last)
+            if self.plans_tokens:
+                tokens += [(slot, pos) for pos in range(first, last + 1)]
+        return StepPlan(tuple(tokens), by_slot)
 
     def _check_row(self, i: int, slot: int, pos: int) -> None:
         if not 0 <= slot <= self.scratch_slot:

@@ -39,6 +39,7 @@ from .cuda_graphs import triton_enabled
 
 class BatchedSequenceCache(KVCache):
     layout = LAYOUT_SEQUENCE
+    plans_tokens = False  # admission reads each slot's span only
 
     def __init__(self, spec: KVSpec, device: Union[str, torch.device], initial_rows: int = 64,
                  use_triton: Optional[bool] = None):

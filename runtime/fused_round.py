@@ -86,13 +86,14 @@ class FusedRound:
         # pending | block positions | block slots | verify positions | verify slots | caps | append positions | append slots
         return [b, b * self.t, b, b * k, b * k, b, b * k, b * k]
 
-    def _pack(self, members: list[Member], bucket: int) -> tuple[torch.Tensor, tuple[list, list], tuple[list, list]]:
+    def _pack(self, members: list[Member], bucket: int) -> tuple[torch.Tensor, list, list]:
         """The round's index tensor on the host (members first, then padding members), and the rows it writes as
-        lists: (verify positions, slots) in the target cache, (append positions, slots) in the draft cache, for
-        admission. Built as lists, one tensor at the end: a round's host work is part of its time."""
+        spans (slot, first position, rows) for admission: verify rows in the target cache, append rows in the
+        draft cache. Built as lists, one tensor at the end: a round's host work is part of its time."""
         k, t = self.block, self.t
         ts, ds = self.runner.cache.scratch_slot, self.runner.draft_cache.scratch_slot
         pending, blk_pos, blk_slot, ver_pos, ver_slot, caps, app_pos, app_slot = [], [], [], [], [], [], [], []
+        verify, append = [], []
         blank_blk = list(range(t))
         for m in members:
             pending.append(m.pending)
@@ -109,6 +110,8 @@ class FusedRound:
                 app_pos += range(a, a + v)
                 app_pos += [0] * rest
                 app_slot += [m.slot] * v + [ds] * rest
+                verify.append((m.slot, a, v))
+                append.append((m.slot, a, v))
             else:  # a plain step in the round: its one row verified, nothing drafted or appended
                 blk_pos += blank_blk
                 blk_slot.append(ds)
@@ -116,6 +119,7 @@ class FusedRound:
                 ver_slot += [m.slot] + [ts] * (k - 1)
                 app_pos += [0] * k
                 app_slot += [ds] * k
+                verify.append((m.slot, a, 1))
         pad = bucket - len(members)
         if pad:
             pending += [0] * pad
@@ -127,7 +131,7 @@ class FusedRound:
             app_pos += [0] * (k * pad)
             app_slot += [ds] * (k * pad)
         packed = long_tensor(pending, blk_pos, blk_slot, ver_pos, ver_slot, caps, app_pos, app_slot)
-        return packed, (ver_pos, ver_slot), (app_pos, app_slot)
+        return packed, verify, append
 
     def _split(self, packed: torch.Tensor, b: int) -> list[torch.Tensor]:
         return list(packed.split(self._sizes(b)))
@@ -190,11 +194,11 @@ class FusedRound:
             for b in buckets(self.limit):
                 self._run_blank(b)
 
-    def _launch(self, packed: torch.Tensor, verify: tuple[list, list], append: tuple[list, list], bucket: int) -> list:
+    def _launch(self, packed: torch.Tensor, verify: list, append: list, bucket: int) -> list:
         """Admit the packed round's verify rows (target cache) and append rows (draft cache) on the host,
         then run it: the bucket's graph replay, or the round eagerly without graphs. -> [out, hidden]."""
-        self.runner.cache.declare_rows(*verify)
-        self.runner.draft_cache.declare_rows(*append)
+        self.runner.cache.declare_spans(verify)
+        self.runner.draft_cache.declare_spans(append)
         if self._graphs is not None:
             return self._graphs.run(bucket, [packed])
         return self._round([packed.to(self.runner.device)])

@@ -379,6 +379,73 @@ def test_rewind_and_clone_outside_lengths_are_refused(layout):
     assert_same_state(before, snapshot(cache))
 
 
+def as_spans(rows) -> list[tuple[int, int, int]]:
+    """A step's rows [(slot, position)], contiguous per slot, as spans (slot, first position, rows)."""
+    spans: dict[int, list[int]] = {}
+    for slot, pos in rows:
+        spans.setdefault(slot, []).append(pos)
+    return [(slot, ps[0], len(ps)) for slot, ps in spans.items()]
+
+
+def step_spans(cache: KVCache, rows, qkvs) -> list[torch.Tensor]:
+    """`step`, with the rows admitted as spans (`declare_spans`) instead of row by row."""
+    cache.declare_spans(as_spans(rows))
+    positions = torch.tensor([p for _, p in rows], dtype=torch.int64)
+    slots = torch.tensor([s for s, _ in rows], dtype=torch.int64)
+    return [cache.update_and_attend(q, k, v, positions, slots, layer, SCALE) for layer, (q, k, v) in enumerate(qkvs)]
+
+
+@pytest.mark.parametrize("reserved", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_spans_admit_as_the_rows_they_name(layout, reserved):
+    """A fused round admits its rows as spans: the same lengths, held positions, cells (copy on write
+    included) and outputs as the rows admitted one by one, through growth, rings wrapping, rewinds, clones and
+    releases; and the same steps refused with nothing changed."""
+    cfg = tiny_cfg(4)
+    by_rows, by_spans = new_cache(cfg, layout, capacity=32), new_cache(cfg, layout, capacity=32)
+    if reserved:
+        by_rows.reserve(), by_spans.reserve()
+    gen = torch.Generator().manual_seed(21)
+    kinds = set()
+    for i, event in enumerate(interleaved_schedule(seed=21)):
+        kinds.add(event[0])
+        if event[0] != "step":
+            for cache in (by_rows, by_spans):
+                getattr(cache, event[0])(*event[1:])
+            if event[0] == "rewind" and event[2] > 0 and layout == LAYOUT_CELL:  # share a prefix, then diverge
+                free = [s for s in range(N_SLOTS) if by_rows.length(s) == 0]
+                if free:
+                    for cache in (by_rows, by_spans):
+                        cache.clone(event[1], free[0], event[2])
+            continue
+        qkvs = random_qkvs(cfg, len(event[1]), gen)
+        assert_outputs_equal(step_spans(by_spans, event[1], qkvs), step(by_rows, event[1], qkvs), f"event {i}")
+        assert_same_state(snapshot(by_rows), snapshot(by_spans))
+    assert kinds == {"step", "rewind", "release"}
+    while by_rows.length(0) <= 12:  # wrap slot 0's rings (11 rows) over its first positions
+        rows = [(0, by_rows.length(0) + j) for j in range(min(8, 13 - by_rows.length(0)))]
+        qkvs = random_qkvs(cfg, len(rows), gen)
+        assert_outputs_equal(step_spans(by_spans, rows, qkvs), step(by_rows, rows, qkvs), "wrapping slot 0")
+    # Refused alike, with nothing changed: limits of the step, the slot, the position, and what a ring holds.
+    refused = [[(2, p) for p in range(9)], [(0, by_rows.capacity)], [(N_SLOTS + 1, 0)], [(-1, 0)],
+               [(0, by_rows.length(0) + 1)]]
+    if layout == LAYOUT_SEQUENCE:  # a write far behind the length: the ring wrapped over what it needs
+        refused.append([(0, 4)])  # needs positions 1..3; the ring holds the last 11 of >= 13
+    before = snapshot(by_spans)
+    for rows in refused:
+        with pytest.raises(CacheError):
+            by_rows.declare_rows([p for _, p in rows], [s for s, _ in rows])
+        with pytest.raises(CacheError):
+            by_spans.declare_spans(as_spans(rows))
+    with pytest.raises(CacheError, match="two spans"):
+        by_spans.declare_spans([(0, by_spans.length(0), 1), (0, by_spans.length(0) + 1, 1)])
+    for span in ((0, by_spans.length(0), 0), (N_SLOTS, 0, 1)):  # no rows; the scratch slot (padding)
+        with pytest.raises(CacheError, match="at least one row"):
+            by_spans.declare_spans([span])
+    assert_same_state(before, snapshot(by_spans))
+    assert_same_state(snapshot(by_rows), snapshot(by_spans))
+
+
 # --------------------------------------------------------------------------- sharing and placement
 
 
