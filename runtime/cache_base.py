@@ -86,21 +86,20 @@ class KVCache(abc.ABC):
         with `placement_input`): the device side of the rows' placement is left to the caller, who passes the
         returned placement of every row (padding rows included) to `place` before anything reads the cache
         (the model runner does it inside the step's forward, in its CUDA graph); None otherwise."""
-        plan = self._plan(positions, seq_slots)
-        self._refuse_step(plan)
         defer = defer and self.placement_input
-        self._apply_step(plan, defer)
-        for slot, (_, last) in plan.spans.items():
-            self._length[slot] = max(self._length[slot], last + 1)
+        self._admit(self._plan(positions, seq_slots), defer)
         return self._placement(positions, seq_slots) if defer else None
 
     def declare_spans(self, spans: list[tuple[int, int, int]]) -> None:
         """`declare_rows` of rows given as spans (slot, first position, rows), one per live slot: a fused round's
         (its padding rows, on the scratch slot, need no admission). The same checks and the same effect as
         the rows listed one by one, without a loop over rows where the layout needs none."""
-        plan = self._plan_spans(spans)
+        self._admit(self._plan_spans(spans))
+
+    def _admit(self, plan: StepPlan, defer: bool = False) -> None:
+        """Refuse the planned step with nothing changed, or apply it and extend the slots' lengths."""
         self._refuse_step(plan)
-        self._apply_step(plan)
+        self._apply_step(plan, defer)
         for slot, (_, last) in plan.spans.items():
             self._length[slot] = max(self._length[slot], last + 1)
 
@@ -203,8 +202,7 @@ class KVCache(abc.ABC):
         n = len(positions)
         if len(seq_slots) != n:
             raise CacheError(f"positions has {n} rows but seq_slots has {len(seq_slots)}; they must match")
-        if n > self.max_write:
-            raise CacheError(f"the step has N={n} tokens; allowed: at most max_write={self.max_write}")
+        self._check_count(n)
         by_slot: dict[int, list[int]] = {}
         tokens = []
         scratch, capacity = self.scratch_slot, self.capacity
@@ -226,8 +224,7 @@ class KVCache(abc.ABC):
 
     def _plan_spans(self, spans: list[tuple[int, int, int]]) -> StepPlan:
         n = sum(m for _, _, m in spans)
-        if n > self.max_write:
-            raise CacheError(f"the step has N={n} tokens; allowed: at most max_write={self.max_write}")
+        self._check_count(n)
         by_slot: dict[int, tuple[int, int]] = {}
         tokens: list[tuple[int, int]] = []
         for slot, first, m in spans:
@@ -242,13 +239,20 @@ class KVCache(abc.ABC):
             if slot in by_slot:
                 raise CacheError(f"positions of slot {slot} in one step must be distinct and contiguous; "
                                  f"found two spans")
-            if first > self._length[slot]:
-                raise CacheError(f"position {first} of slot {slot} skips ahead of its length {self._length[slot]}; "
-                                 f"allowed: a step starts at a position <= length")
+            self._check_start(slot, first)
             by_slot[slot] = (first, last)
             if self.plans_tokens:
                 tokens += [(slot, pos) for pos in range(first, last + 1)]
         return StepPlan(tuple(tokens), by_slot)
+
+    def _check_count(self, n: int) -> None:
+        if n > self.max_write:
+            raise CacheError(f"the step has N={n} tokens; allowed: at most max_write={self.max_write}")
+
+    def _check_start(self, slot: int, first: int) -> None:
+        if first > self._length[slot]:
+            raise CacheError(f"position {first} of slot {slot} skips ahead of its length {self._length[slot]}; "
+                             f"allowed: a step starts at a position <= length")
 
     def _check_row(self, i: int, slot: int, pos: int) -> None:
         if not 0 <= slot <= self.scratch_slot:
@@ -268,9 +272,7 @@ class KVCache(abc.ABC):
             if sorted(ps) != list(range(first, last + 1)):
                 raise CacheError(f"positions of slot {slot} in one step must be distinct and contiguous; "
                                  f"found {sorted(ps)}")
-        if first > self._length[slot]:
-            raise CacheError(f"position {first} of slot {slot} skips ahead of its length {self._length[slot]}; "
-                             f"allowed: a step starts at a position <= length")
+        self._check_start(slot, first)
         return first, last
 
     def _check_live_slot(self, name: str, slot: int) -> None:
