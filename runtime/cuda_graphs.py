@@ -132,10 +132,12 @@ class GraphRunner:
     def captured(self) -> tuple[int, ...]:
         return tuple(sorted(self._graphs))
 
-    def run(self, bucket: int, inputs: Optional[Sequence[torch.Tensor]], flat: Optional[torch.Tensor] = None) -> list:
+    def run(self, bucket: int, inputs: Optional[Sequence[torch.Tensor]], flat: Optional[torch.Tensor] = None,
+            head: Optional[torch.Tensor] = None) -> list:
         """Replay `bucket`'s graph on `inputs` (padded to the bucket), capturing it first when needed. `flat`
         instead of `inputs`: one host tensor of every input's elements in order, for a graph whose inputs
-        share a dtype: copied into the input buffer as it is."""
+        share a dtype: copied into the input buffer as it is. `head`: a device tensor copied over the first
+        elements of the first input after that (values the device made, never waited for on the host)."""
         version = self.version()
         g = self._graphs.get(bucket)
         if g is None or g.version != version:
@@ -153,6 +155,8 @@ class GraphRunner:
         else:
             for buf, x in zip(g.inputs, inputs):
                 buf.copy_(x, non_blocking=True)
+        if head is not None:
+            g.inputs[0][:head.shape[0]].copy_(head)
         g.graph.replay()
         self.counters.replays += 1
         return g.outputs

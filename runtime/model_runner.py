@@ -91,7 +91,9 @@ class StepBatch:
     `tokens`, `positions`, `seq_slots` [N] and `logits_rows` [R] (rows that go through the LM head) are int64
     host tensors of the live rows; `groups`: (seq, first logits row, rows, first step row) per sampled group.
     Draft rows: `tokens[draft_rows] = draft_tokens.flatten()[draft_src]`, filled on the drafts' device.
-    `hidden_dst` [N]: each row's row of the hidden sink (with one). A step from `ModelRunner.pack` carries its
+    `hidden_dst` [N]: each row's row of the hidden sink (with one). `head_tokens` (a device tensor [m], or None):
+    the tokens of the first m rows, made on the device by the step before (an overlapped step, `engine.py`);
+    the packed tokens hold placeholders there. A step from `ModelRunner.pack` carries its
     `packed` inputs, and its tensors are views of them, made only when asked for; one built by hand
     (`StepBatch(tokens, positions, seq_slots, logits_rows)`) has none."""
 
@@ -103,6 +105,7 @@ class StepBatch:
         self.draft_tokens: Optional[torch.Tensor] = None
         self.draft_rows: Optional[torch.Tensor] = None
         self.draft_src: Optional[torch.Tensor] = None
+        self.head_tokens: Optional[torch.Tensor] = None
         self.packed: Optional[PackedStep] = None
 
     @classmethod
@@ -111,7 +114,7 @@ class StepBatch:
         (not all the scratch row)."""
         step = cls.__new__(cls)
         step.n, step.r, step._live, step.groups, step.packed = n, r, None, groups, packed
-        step.draft_tokens = step.draft_rows = step.draft_src = None
+        step.draft_tokens = step.draft_rows = step.draft_src = step.head_tokens = None
         step._has_dst = hidden_dst
         return step
 
@@ -245,7 +248,9 @@ class ModelRunner:
         """The target `forward` of a packed step: [logits [R, V], hidden [N, taps*dim] (with a drafter)]."""
         n, r = batch.n, batch.r
         if batch.packed is not None and batch.draft_tokens is None:  # `pack`'s inputs as they are
-            return self.call(C.METHOD_FORWARD, None, [r, n], batch.packed)
+            return self.call(C.METHOD_FORWARD, None, [r, n], batch.packed, batch.head_tokens)
+        if batch.head_tokens is not None:
+            raise ValueError("a step's tokens from the device (head_tokens) go with packed inputs and no drafts")
         if batch.packed is not None:  # its inputs as tensors (padded when calls are), tokens filled in below
             inputs = batch.packed.inputs()
         else:  # a StepBatch built by hand: its live rows
@@ -272,10 +277,12 @@ class ModelRunner:
             hi = lo + limit
             self.call(C.METHOD_DRAFT_APPEND, [hidden[lo:hi], positions[lo:hi], seq_slots[lo:hi]], [])
 
-    def call(self, method: str, inputs: Optional[list], live: list[int], packed: Optional[PackedStep] = None) -> list:
+    def call(self, method: str, inputs: Optional[list], live: list[int], packed: Optional[PackedStep] = None,
+             head: Optional[torch.Tensor] = None) -> list:
         """The one path of every method call: pad -> admit -> graph or eager -> cut (module docstring).
         `packed` (the `forward` of `pack`, with `inputs` None): inputs made, padded and listed at once; with
-        CUDA graphs they go to the graph's input buffer in one copy. A forward on a layout with a placement
+        CUDA graphs they go to the graph's input buffer in one copy. `head` (with `packed`): a device tensor
+        that replaces the first elements of the first input (tokens) once on the device. A forward on a layout with a placement
         input (the cell layout) gets the admission's placement as one more input, written by the step itself."""
         plan = self._plans[method]
         t0 = time.perf_counter()
@@ -299,12 +306,14 @@ class ModelRunner:
                     inputs = [*inputs, long_tensor(placement)]
         graphs = self._graphs.get(method)
         if size is not None and graphs is not None:
-            out = graphs.run(size, inputs, flat)
+            out = graphs.run(size, inputs, flat, head)
         else:
             if flat is None:
                 inputs = [to_device(x, self.device) for x in inputs]
             else:  # one host-to-device copy (none on CPU), then its views
                 inputs = list(to_device(flat, self.device).split(lengths))
+                if head is not None:  # (on CPU into this call's own host tensor: `flat` makes one per call)
+                    inputs[0][:head.shape[0]] = head
             out = self._run(method, inputs, size is not None, extras=method == C.METHOD_FORWARD)
         if self.call_log is not None:
             self.call_log.append((method, live[-1] if live else rows, time.perf_counter() - t0))  # live rows
@@ -327,13 +336,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ packing
 
     def pack(self, decode: list, ks: list[int], prefill: list, draft_tokens: Optional[torch.Tensor] = None,
-             hidden_dst: Optional[list[int]] = None) -> StepBatch:
+             hidden_dst: Optional[list[int]] = None, head_tokens: Optional[torch.Tensor] = None) -> StepBatch:
         """Decode sequences write their pending token and `ks[i]` drafts (row i of `draft_tokens` [len(decode),
         width], filled in where the drafts live; every row gets logits: the verify rows), then prefill chunks
         (the last row gets logits when the chunk ends the prompt). `hidden_dst`: each row's row of the hidden
         sink, in that order. The forward's inputs are made here at once (`PackedStep`), padded to the step's
         bucket as the forward's blank inputs pad (scratch slot, position 0, logits of row 0) when calls are
-        padded."""
+        padded. `head_tokens` (a device tensor, one per decode sequence; no drafts): the decode rows' tokens,
+        made on the device by an overlapped step whose tokens the host has not read yet (`engine.py`); the
+        sequences' last known tokens stand in the packed column."""
         tokens, positions, slots, rows, groups = [], [], [], [], []
         draft_rows, draft_src = [], []
         width = draft_tokens.shape[1] if draft_tokens is not None else 0
@@ -378,6 +389,11 @@ class ModelRunner:
         step = StepBatch.of_packed(PackedStep(columns, size), n, r, groups, hidden_dst is not None)
         if draft_rows:
             step.draft_tokens, step.draft_rows, step.draft_src = draft_tokens, long_tensor(draft_rows), long_tensor(draft_src)
+        if head_tokens is not None:
+            if draft_rows or head_tokens.shape[0] != len(decode):
+                raise ValueError(f"head_tokens has {head_tokens.shape[0]} tokens for {len(decode)} decode sequences "
+                                 f"and {len(draft_rows)} draft rows; allowed: one per sequence, no drafts")
+            step.head_tokens = head_tokens
         return step
 
     # ------------------------------------------------------------------ costs
