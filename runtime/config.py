@@ -47,7 +47,11 @@ class RunConfig:
     again for it (as many bytes again as the stored int4 weight). The choice goes by a call's row count, so a
     row's bits then depend on how many rows share its call: greedy DFlash equals target-only, and batched
     equals alone, only up to rounding (off: exactly, the Triton kernel sums a row alike in calls of 1-16
-    rows). Changes nothing elsewhere (CPU, float or float32 artifacts)."""
+    rows). Changes nothing elsewhere (CPU, float or float32 artifacts). overlap: None = on exactly when graphs
+    are on; a greedy plain decode step (no drafts, no prompt chunk) is launched and its tokens read back during
+    the next step, whose inputs take them on the device: the host's work of one step runs while the device
+    computes the one before (`engine.py`). True also without graphs (on CPU it only reorders the work: how
+    tests compare it), False never."""
 
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None
@@ -63,6 +67,7 @@ class RunConfig:
     cublaslt: Optional[bool] = None
     draft_tf32: Optional[bool] = None
     int4_tensor_cores: bool = False
+    overlap: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -99,6 +104,11 @@ class RunConfig:
     def fused(self) -> bool:
         """Run greedy DFlash rounds as one fused call?"""
         return self.graphs if self.fused_rounds is None else self.fused_rounds
+
+    @property
+    def overlapped(self) -> bool:
+        """Read a greedy plain step's tokens back during the next step?"""
+        return self.graphs if self.overlap is None else self.overlap
 
     @property
     def prefer_cublaslt(self) -> bool:

@@ -16,6 +16,20 @@ A greedy DFlash step without prompt chunks and with few enough sequences
 runs schedule's drafts, run and postprocess's acceptance as one fused round
 (`fused_round.py`: one CUDA graph on CUDA), then the same bookkeeping.
 
+Overlap (`RunConfig.overlap`, on with CUDA graphs): a greedy plain decode step
+(no drafts, no prompt chunk) is launched and left in flight: its argmax and
+the copy of its tokens to the host are queued, and `step` returns without
+waiting. The next step, when it is again a plain step of those sequences
+(nothing waits for admission, no sequence is at its last token, and the
+speculator is inside a kept plain stretch: `Speculator.plain_next`), takes
+their tokens on the device (`ModelRunner.pack(head_tokens=)`), launches, and
+only then reads the previous step's tokens back: the host's work of one step
+runs while the device computes the one before. Otherwise the step in flight
+is read back first and the step runs as usual. A sequence that ended on EOS
+in a step read back late wasted one row in the step after it (its token is
+dropped; its caches were freed and the device's writes to them come before
+any later use in stream order).
+
 Greedy output is the same token for token with and without drafts, in both
 layouts, batched or alone. Knows the model only through the artifact; never
 imports mg.export. See docs/ARCHITECTURE.md section 6.
@@ -34,7 +48,7 @@ from mg.manifests import constants as C
 from .artifact import Artifact
 from .config import RunConfig
 from .cuda_graphs import GraphCounters
-from .model_runner import ModelRunner, to_device
+from .model_runner import ModelRunner, long_tensor, to_device
 from .sampling import SamplingBatch
 from .scheduler import Batch, Request, RequestError, Scheduler, Sequence
 from .spec_accept import accept
@@ -55,6 +69,18 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     wall_s: float = 0.0
+    overlapped_steps: int = 0  # steps launched before the tokens of the step before were read back
+    overlap_wasted_rows: int = 0  # rows of sequences that had ended (EOS, cancel) by the time they were read back
+
+
+@dataclass
+class _InFlight:
+    """A greedy plain decode step launched and not read back (module docstring, Overlap)."""
+
+    seqs: list  # its decode sequences, in row order
+    tokens: torch.Tensor  # [len(seqs)] each one's next token, on the device
+    host: torch.Tensor  # their copy on the way to the host (CUDA: pinned), or `tokens` itself on CPU
+    ready: Optional["torch.cuda.Event"]  # recorded after that copy (CUDA)
 
 
 class Engine:
@@ -79,6 +105,10 @@ class Engine:
         self.stats = EngineStats()
         self._batches: dict[tuple, SamplingBatch] = {}
         self._results: dict[str, Result] = {}
+        self._overlap = config.overlapped
+        self._inflight: Optional[_InFlight] = None
+        self._pinned: list[Optional[torch.Tensor]] = [None, None]  # host buffers of the last two launched steps
+        self._launches = 0
 
     # ------------------------------------------------------------------ public
 
@@ -145,14 +175,32 @@ class Engine:
                 self.step()
                 for result in self.take_finished():
                     on_result(result)
+            self.drain()  # a step of sequences that all ended on EOS may still be in flight
         finally:
             self.stats.wall_s += time.perf_counter() - t0
 
+    def drain(self) -> None:
+        """Read back the step in flight, if any (module docstring, Overlap): afterwards every sequence's tokens
+        are on the host. `step` does this itself whenever the next step cannot chain."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._read_back(inflight)
+
     def step(self) -> None:
         t0 = time.perf_counter()
+        chained = None
+        if self._inflight is not None:
+            if self._chains():
+                chained, self._inflight = self._inflight, None
+            else:
+                self.drain()
+                if self.scheduler.idle:  # that step ended every sequence
+                    return
         batch = self.scheduler.schedule(self._choose if self.spec is not None else None)
         if not batch:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # invariant
+        if chained is not None and (batch.prefill or any(batch.n_drafts)):
+            raise RuntimeError("a step chained on the device's tokens is not a plain decode step")  # invariant
         if self.spec is not None and self.spec.fuses(batch):
             self._fused_step(batch)
             rows = len(batch.decode) + sum(batch.n_drafts)  # the forward rows the unfused step would have had
@@ -161,15 +209,82 @@ class Engine:
                       else StepDrafts.none(len(batch.decode)))
             # The rows whose commit does not wait for acceptance: the forward writes them to the draft context.
             known = self.spec.reserve_known(batch.decode, drafts.ks, batch.prefill) if self.spec is not None else None
-            step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens, known)
+            head = self._chained_tokens(chained, batch.decode) if chained is not None else None
+            step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens, known, head)
             out = self.runner.forward(step)
-            hidden = out[1] if len(out) > 1 else None
-            accepted, new_tokens = self._accept(step.groups, drafts, out[0])
-            self._postprocess(batch, step, drafts, accepted, new_tokens, hidden)
+            if self._overlap and not batch.prefill and not any(drafts.ks) and self._sampling_batch(
+                    batch.decode, out[0].device).all_greedy:
+                self._launch(batch.decode, out[0])
+                if chained is not None:
+                    self.stats.overlapped_steps += 1
+                    self._read_back(chained)
+                if self.spec is not None:
+                    self.spec.end_commits()
+            else:
+                hidden = out[1] if len(out) > 1 else None
+                accepted, new_tokens = self._accept(step.groups, drafts, out[0])
+                self._postprocess(batch, step, drafts, accepted, new_tokens, hidden)
             rows = step.n
         self.stats.steps += 1
         if self.spec is not None:
             self.spec.step_done(time.perf_counter() - t0, rows, prefill=bool(batch.prefill))
+
+    # ------------------------------------------------------------------ overlap (module docstring)
+
+    def _chains(self) -> bool:
+        """Can the next step run on the tokens of the step in flight, still on the device? It must be a plain
+        decode step of (some of) the same sequences: no request waits for admission (a slot the step in flight
+        frees would change the batch), none of them is at its last token, and the speculator surely chooses a
+        plain step."""
+        running = self.scheduler.running
+        if self.scheduler.waiting or not running:
+            return False
+        members = set(map(id, self._inflight.seqs))  # running only loses members while a step is in flight
+        for seq in running:
+            if id(seq) not in members or seq.n_generated + 1 >= seq.request.max_new_tokens:
+                return False
+        return self.spec is None or self.spec.plain_next(running)
+
+    def _chained_tokens(self, chained: _InFlight, decode: list) -> torch.Tensor:
+        """The device tokens of `decode`'s rows: those of the step in flight, less sequences that ended since."""
+        if len(decode) == len(chained.seqs):  # the same sequences in the same order (running only loses members)
+            return chained.tokens
+        row = {id(seq): i for i, seq in enumerate(chained.seqs)}
+        index = long_tensor([row[id(seq)] for seq in decode])
+        return chained.tokens.index_select(0, to_device(index, chained.tokens.device))
+
+    def _launch(self, decode: list, logits: torch.Tensor) -> None:
+        """Leave a greedy plain step in flight: each sequence's token is its row's argmax, on the device, and its
+        copy to the host is queued; the step's token-independent bookkeeping is done now."""
+        b = len(decode)
+        tokens = (logits if logits.shape[0] == b else logits.narrow(0, 0, b)).argmax(dim=-1)
+        ready = None
+        host = tokens
+        if tokens.device.type == "cuda":  # two pinned buffers, alternating: the chained step's and this one's
+            i = self._launches % 2
+            if self._pinned[i] is None or self._pinned[i].shape[0] < b:
+                self._pinned[i] = torch.empty(max(b, self.cache.n_slots), dtype=torch.long, pin_memory=True)
+            host = self._pinned[i][:b]
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        for seq in decode:
+            seq.n_cached += 1
+        if self.spec is not None:
+            self.spec.observe_plain(decode)
+        self._inflight = _InFlight(list(decode), tokens, host, ready)
+        self._launches += 1
+
+    def _read_back(self, inflight: _InFlight) -> None:
+        """The tokens of a step left in flight, to their sequences (waiting for them if need be); sequences that
+        ended since (EOS in the step before, a cancel) drop theirs."""
+        if inflight.ready is not None:
+            inflight.ready.synchronize()
+        for seq, token in zip(inflight.seqs, inflight.host.tolist()):
+            if seq.finish_reason is None:
+                self._append(seq, [token])
+            else:
+                self.stats.overlap_wasted_rows += 1
 
     def _choose(self, decode: list, rows_left: int, prompts: bool) -> list[int]:
         """The speculator's drafts, told whether prompt chunks may join the step (the scheduler has admitted
@@ -254,13 +369,16 @@ class Engine:
     def _append_tokens(self, seqs: list, new_tokens: list) -> None:
         """Each sequence's new tokens; finished sequences are freed. Then context appends that are due."""
         for seq, toks in zip(seqs, new_tokens):
-            before = len(seq.tokens)
-            reason = self.scheduler.append(seq, toks)
-            self.stats.generated_tokens += len(seq.tokens) - before
-            if reason is not None:
-                self._finish(seq, reason)
+            self._append(seq, toks)
         if self.spec is not None:
             self.spec.end_commits()
+
+    def _append(self, seq: Sequence, tokens: list) -> None:
+        before = len(seq.tokens)
+        reason = self.scheduler.append(seq, tokens)
+        self.stats.generated_tokens += len(seq.tokens) - before
+        if reason is not None:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._free(seq)

@@ -1,0 +1,145 @@
+"""Overlapped plain steps (a step's tokens read back during the next step) give the tokens of steps read back at
+once: target-only and adaptive DFlash, both layouts, through queueing, EOS and cancels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mg.runtime.artifact import load_artifact
+from mg.runtime.config import RunConfig
+from mg.runtime.engine import Engine
+from mg.runtime.scheduler import Request
+
+LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+MAX_NEW = [12, 5, 20, 9, 16, 7]  # six requests: more than the sequence layout's three slots
+
+
+def _prompts(vocab):
+    gen = torch.Generator().manual_seed(31)
+    return [tuple(torch.randint(4, vocab, (n,), generator=gen).tolist()) for n in (1, 6, 13, 27, 40, 3)]
+
+
+def _requests(prompts, max_new=MAX_NEW):
+    return [Request(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, max_new))]
+
+
+def _engine(art, dflash: bool, overlap: bool, eos=None, device="cpu", graphs=None) -> Engine:
+    engine = Engine(load_artifact(art, device=device),
+                    RunConfig(device=device, cuda_graphs=graphs, dflash=dflash, overlap=overlap, fused_rounds=True))
+    if dflash:  # a drafter rejected many times: adaptive speculation keeps stretches of plain steps
+        for slot in range(engine.cache.n_slots):
+            for _ in range(30):
+                engine.spec.acceptance.observe(slot, 4, 0)
+    if eos is not None:
+        engine.scheduler.eos_ids = frozenset(eos)
+    return engine
+
+
+def _tokens(engine, reqs):
+    return [r.tokens for r in engine.run(reqs)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dflash_seq_artifact, tiny_cfg):
+    """Target-only tokens, each step read back at once."""
+    return _tokens(_engine(tiny_dflash_seq_artifact, False, False), _requests(_prompts(tiny_cfg.vocab_size)))
+
+
+@pytest.mark.parametrize("dflash", [False, True], ids=["target-only", "dflash"])
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_overlapped_steps_give_the_tokens_of_steps_read_back_at_once(which, dflash, request, reference, tiny_cfg):
+    engine = _engine(request.getfixturevalue(which), dflash, True)
+    assert _tokens(engine, _requests(_prompts(tiny_cfg.vocab_size))) == reference
+    assert engine.stats.overlapped_steps > 0
+    assert engine.stats.generated_tokens == sum(map(len, reference))
+    assert engine._inflight is None and all(n == 0 for n in engine.cache.metrics().lengths)
+
+
+@pytest.mark.parametrize("dflash", [False, True], ids=["target-only", "dflash"])
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_a_sequence_that_ends_on_eos_read_back_late_drops_the_row_after_it(which, dflash, request, reference,
+                                                                          tiny_cfg):
+    art = request.getfixturevalue(which)
+    reqs = _requests(_prompts(tiny_cfg.vocab_size))
+    # The longest request alone: after its prompt, each plain step chains on the one before, so its EOS (a
+    # token it does emit, first at position 10) is read back after the step that follows it was launched.
+    out = reference[2]
+    at = next(i for i in range(10, len(out)) if out[i] not in out[:i])
+    eos = {out[at]}
+    expected = _tokens(_engine(art, False, False, eos), reqs[2:3])
+    assert expected == [out[:at + 1]]
+    engine = _engine(art, dflash, True, eos)
+    assert _tokens(engine, reqs[2:3]) == expected
+    assert engine.stats.overlapped_steps > 0 and engine.stats.overlap_wasted_rows == 1
+    # And among the others, queued and ending at different steps.
+    expected = _tokens(_engine(art, False, False, eos), reqs)
+    engine = _engine(art, dflash, True, eos)
+    assert _tokens(engine, reqs) == expected and engine.stats.overlapped_steps > 0
+    assert all(n == 0 for n in engine.cache.metrics().lengths)
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_cancel_with_a_step_in_flight_leaves_the_others_tokens_alone(which, request, reference, tiny_cfg):
+    engine = _engine(request.getfixturevalue(which), False, True)
+    reqs = _requests(_prompts(tiny_cfg.vocab_size))[:3]
+    for r in reqs:
+        engine.submit(r)
+    while engine.stats.overlapped_steps < 2:
+        engine.step()
+    assert engine._inflight is not None and "r1" in {s.request.id for s in engine._inflight.seqs}
+    assert engine.cancel("r1")
+    done = {}
+    while not engine.scheduler.idle:
+        engine.step()
+        done.update({r.id: r for r in engine.take_finished()})
+    engine.drain()
+    done.update({r.id: r for r in engine.take_finished()})
+    assert sorted(done) == ["r0", "r2"]
+    assert done["r0"].tokens == reference[0] and done["r2"].tokens == reference[2]
+    assert engine.stats.overlap_wasted_rows >= 1  # r1's token of the step in flight
+    assert all(n == 0 for n in engine.cache.metrics().lengths)
+
+
+def test_overlap_is_on_with_cuda_graphs_unless_told(tiny_seq_artifact):
+    assert not RunConfig().overlapped and RunConfig(overlap=True).overlapped
+    assert not RunConfig(device="cuda", overlap=False).overlapped
+    assert RunConfig(device="cuda").overlapped == RunConfig(device="cuda").graphs
+
+
+def test_pack_refuses_device_tokens_that_are_not_one_per_plain_sequence(tiny_dflash_seq_artifact, tiny_cfg):
+    engine = _engine(tiny_dflash_seq_artifact, False, True)
+    engine.submit(Request("a", (5, 6, 7), 8))
+    engine.submit(Request("b", (8, 9), 8))
+    while len(engine.scheduler.running) < 2 or any(s.n_cached < len(s.request.prompt) for s in engine.scheduler.running):
+        engine.step()
+    engine.drain()
+    decode = list(engine.scheduler.running)
+    head = torch.tensor([5])
+    with pytest.raises(ValueError, match="head_tokens has 1 tokens for 2 decode sequences"):
+        engine.runner.pack(decode, [0, 0], [], head_tokens=head)
+    drafts = torch.full((2, 7), 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="one per sequence, no drafts"):
+        engine.runner.pack(decode, [1, 0], [], drafts, head_tokens=torch.tensor([5, 6]))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_overlapped_steps_on_cuda_give_the_cpu_tokens(which, graphs, request, reference, tiny_cfg):
+    # On CUDA the tokens go to the host through a pinned buffer, the next step's inputs take them on the device
+    # (into the graph's input buffer with graphs), and the host reads a step back after launching the next.
+    art = request.getfixturevalue(which)
+    reqs = _requests(_prompts(tiny_cfg.vocab_size))
+    out = reference[2]
+    eos = {out[next(i for i in range(10, len(out)) if out[i] not in out[:i])]}
+    expected_eos = _tokens(_engine(art, False, False, eos), reqs)
+    for dflash in (False, True):
+        engine = _engine(art, dflash, True, device="cuda", graphs=graphs)
+        assert _tokens(engine, reqs) == reference
+        assert engine.stats.overlapped_steps > 0 and engine.stats.generated_tokens == sum(map(len, reference))
+        engine = _engine(art, dflash, True, eos, device="cuda", graphs=graphs)
+        assert _tokens(engine, reqs) == expected_eos and engine.stats.overlapped_steps > 0
+        assert all(n == 0 for n in engine.cache.metrics().lengths)
