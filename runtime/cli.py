@@ -77,6 +77,11 @@ _ENGINE_OPTIONS = [
     click.option("--fused-rounds/--no-fused-rounds", default=None,
                  help="Run a greedy DFlash round (draft, verify, acceptance, draft context) as one call: one CUDA "
                       "graph per round [default: on with CUDA graphs; --fused-rounds runs it eagerly elsewhere]."),
+    click.option("--overlap/--no-overlap", default=None,
+                 help="Launch each greedy plain decode step before the tokens of the step before are on the host, "
+                      "which the step then takes on the device: the host's work of a step runs while the device "
+                      "computes the one before. Same tokens either way [default: on with CUDA graphs; --overlap "
+                      "elsewhere only reorders the work]."),
     click.option("--int4-tensor-cores", is_flag=True,
                  help="With --device cuda and a bfloat16 int4 artifact: calls of 1-4 rows (decode steps of 1-4 "
                       "sequences) run the quantized linears on torch's tensor-core int4 kernel: faster, a second "
@@ -155,8 +160,8 @@ def engine_setup(device: str, threads: Optional[int], die=None, spare_core: bool
               help="Output JSONL, one line per request as it finishes ('-' = stdout) [default: stdout].")
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
 def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, threads, kv_layout,
-         no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs, fused_rounds, int4_tensor_cores,
-         no_verify, output, stats_json):
+         no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs, fused_rounds, overlap,
+         int4_tensor_cores, no_verify, output, stats_json):
     """Serve the prompts of ARTIFACT (an mg-export directory) and write one JSON line per request."""
     if not prompts and input_path is None:
         click.echo(click.get_current_context().get_help(), err=True)
@@ -182,7 +187,7 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
     try:
         config = RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, compile=compile_methods,
                            dflash=not no_dflash, draft_block=draft_block, speculation=speculation,
-                           fused_rounds=fused_rounds, int4_tensor_cores=int4_tensor_cores)
+                           fused_rounds=fused_rounds, overlap=overlap, int4_tensor_cores=int4_tensor_cores)
         summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, sink, kv_layout,
                         verify=not no_verify)
     except ServeError as e:

@@ -49,6 +49,7 @@ class Summary:
     graph_replays: int = 0
     recaptures: int = 0
     weights: str = ""  # how the artifact stores its weights (`Manifest.weights_label`)
+    overlapped_steps: int = 0  # steps launched before the step before was read back (`RunConfig.overlap`)
 
     def line(self) -> str:
         cache = {"sequence": "kBatchedSequence", "cell": "kBatchedCell"}[self.layout]
@@ -61,6 +62,8 @@ class Summary:
             text += (f"; DFlash ({self.speculation}) {self.rounds} rounds, {self.drafted_tokens} drafted, "
                      f"{self.accepted_tokens} accepted, mean acceptance length {self.mean_acceptance_length:.2f}, "
                      f"{plain} plain decode steps")
+        if self.overlapped_steps:
+            text += f"; {self.overlapped_steps} steps overlapped"
         if self.cuda_graphs:
             text += (f"; CUDA graphs: {self.graph_captures} captures ({self.recaptures} after cache growth), "
                      f"{self.graph_replays} replays")
@@ -80,7 +83,8 @@ def _summary(layout: str, n: int, failed: int, engine: Engine) -> Summary:
                    rounds=spec.rounds, drafted_tokens=spec.drafted_tokens, accepted_tokens=spec.accepted_tokens,
                    mean_acceptance_length=spec.mean_acceptance_length, chosen_k_hist=tuple(spec.chosen_k_hist),
                    cuda_graphs=config.graphs, graph_captures=graphs.captures, graph_replays=graphs.replays,
-                   recaptures=graphs.recaptures, weights=engine.runner.artifact.manifest.weights_label)
+                   recaptures=graphs.recaptures, weights=engine.runner.artifact.manifest.weights_label,
+                   overlapped_steps=stats.overlapped_steps)
 
 
 def _seeded(item):

@@ -52,6 +52,20 @@ def test_prompts_and_jsonl_are_served_with_a_summary(tmp_path, tiny_seq_artifact
     assert stats["requests"] == 3 and stats["layout"] == "sequence"
 
 
+def test_overlap_flag_gives_the_same_tokens_and_says_how_many_steps_overlapped(tmp_path, tiny_seq_artifact):
+    outputs = {}
+    for flag in ("--overlap", "--no-overlap"):
+        out = tmp_path / f"{flag}.jsonl"
+        code, _, stderr = _run([tiny_seq_artifact, "--prompt", "def f(x):", "--prompt", "import os",
+                                "--max-new-tokens", "12", "--output", out, "--stats-json", tmp_path / "stats.json",
+                                flag])
+        assert code == 0, stderr
+        outputs[flag] = sorted((r["id"], r["tokens"]) for r in map(json.loads, out.read_text().splitlines()))
+        overlapped = json.loads((tmp_path / "stats.json").read_text())["overlapped_steps"]
+        assert (overlapped > 0 and "steps overlapped" in stderr) if flag == "--overlap" else overlapped == 0
+    assert outputs["--overlap"] == outputs["--no-overlap"]
+
+
 def test_no_requests_prints_usage(tiny_seq_artifact):
     code, _, stderr = _run([tiny_seq_artifact])
     assert code == 2 and "Usage:" in stderr and "nothing to do" in _error_line(stderr)
