@@ -17,7 +17,9 @@ per step and each DFlash engine's excess over target-only. What the call path ad
 the write of plain steps' hidden rows to the drafter's waiting buffer and the cell layout's placement
 (inside the graph with CUDA graphs, eager ops on CPU).
 Draft-context appends (one per several hundred rows) are skipped. `--padded` pads calls to their buckets on
-the CPU too, as CUDA graphs do. Prints Markdown; `--out` writes JSON.
+the CPU too, as CUDA graphs do. `--overlap` (auto: with CUDA graphs) runs the engines' plain steps overlapped
+(`RunConfig.overlap`): each step's host work then includes reading back the step before. Prints Markdown;
+`--out` writes JSON.
 
     python scripts/bench_host_step.py --batches 1,8
     python3 scripts/bench_host_step.py --device cuda --out host_step_cuda.json
@@ -33,12 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from script_common import add_artifact_args, artifact_dir, int_list
+from script_common import add_artifact_args, add_overlap_arg, artifact_dir, int_list, overlap_value
 
 MODES = ("plain", "no-drafts", "adaptive")
 
 
-def _engine(artifact, mode: str, device: str, padded: bool):
+def _engine(artifact, mode: str, device: str, padded: bool, overlap: bool | None):
     import torch
 
     from mg.manifests import constants as C
@@ -47,7 +49,7 @@ def _engine(artifact, mode: str, device: str, padded: bool):
     from mg.runtime.speculative import AcceptanceModel, ProbeSchedule
 
     engine = Engine(artifact, RunConfig(device=device, dflash=mode != "plain", speculation="adaptive",
-                                        fused_rounds=True, pad_steps=True if padded else None))
+                                        fused_rounds=True, pad_steps=True if padded else None, overlap=overlap))
     runner, spec = engine.runner, engine.spec
     rows = runner.cache.max_write
     logits = torch.zeros(rows, artifact.manifest.model.vocab_size, device=device)
@@ -84,6 +86,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5, help="runs per engine, alternated; the fastest is kept")
     p.add_argument("--padded", action="store_true",
                    help="pad calls to their buckets on the CPU too (as with CUDA graphs; always so on CUDA)")
+    add_overlap_arg(p)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     batches = int_list(p, "--batches", args.batches)
@@ -104,7 +107,7 @@ def main() -> int:
         capacity = artifact.manifest.kv.capacity
         prompt = tuple(range(10, 40))
         steps = min(args.steps, capacity - len(prompt) - 1)
-        engines = {mode: _engine(artifact, mode, args.device, args.padded) for mode in MODES}
+        engines = {mode: _engine(artifact, mode, args.device, args.padded, overlap_value(args.overlap)) for mode in MODES}
         for n in batches:
             runs = {mode: [] for mode in MODES}
             for rep in range(args.repeats):
@@ -135,6 +138,7 @@ def main() -> int:
     if args.out is not None:
         args.out.write_text(json.dumps({"device": args.device, "artifact": str(art_dir), "steps": steps,
                                         "repeats": args.repeats, "padded": args.padded or args.device == "cuda",
+                                        "overlap": args.overlap,
                                         "rows": rows}, indent=2) + "\n")
     return 0
 

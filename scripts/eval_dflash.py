@@ -11,6 +11,10 @@ runs (slowest over fastest): a speed-up within about that spread of 1.0 cannot b
 
     python scripts/eval_dflash.py --out eval.json                      # the embedded default, on CPU
     python scripts/eval_dflash.py --device cuda --out eval_cuda.json
+    python scripts/eval_dflash.py --device cuda --compare-overlap --out eval_cuda.json  # + target-only, no overlap
+
+Every engine runs with `--overlap` (auto: overlapped plain steps with CUDA graphs, `RunConfig.overlap`);
+`--compare-overlap` also times target-only with every step read back at once, in the same rounds.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_common import add_overlap_arg, overlap_value  # noqa: E402
 
 
 def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: int) -> Path:
@@ -43,7 +49,7 @@ _ARTIFACTS: dict = {}
 _ENGINES: dict = {}
 
 
-def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: tuple):
+def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: tuple, overlap: bool | None = None):
     """The engine of `artifact_dir` for `speculation` (target-only when None), built once per process: its
     CUDA graphs captured, its costs measured and one short untimed request (`warm_up`, a prompt) served
     before any clock starts.
@@ -52,7 +58,7 @@ def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: t
     drafter and the step costs is shared by the engines of a process anyway. Timing runs on long-lived
     engines also lets target-only and DFlash alternate run by run within milliseconds, where building an
     engine (graph captures) between runs spread them over seconds of a GPU host's drifting speed."""
-    key = (str(artifact_dir), device, speculation)
+    key = (str(artifact_dir), device, speculation, overlap)
     engine = _ENGINES.get(key)
     if engine is not None:
         return engine
@@ -63,7 +69,8 @@ def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: t
 
     if (str(artifact_dir), device) not in _ARTIFACTS:
         _ARTIFACTS[(str(artifact_dir), device)] = load_artifact(artifact_dir, device=device)
-    config = RunConfig(device=device, dflash=speculation is not None, speculation=speculation or "adaptive")
+    config = RunConfig(device=device, dflash=speculation is not None, speculation=speculation or "adaptive",
+                       overlap=overlap)
     engine = _ENGINES[key] = Engine(_ARTIFACTS[(str(artifact_dir), device)], config)
     engine.warm_up()  # CUDA graphs of every bucket captured before the clock starts, for every engine alike
     # One short untimed request first: the first steps of an engine after its graphs were captured ran slow
@@ -73,11 +80,17 @@ def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: t
     return engine
 
 
-def _run(artifact_dir: Path, reqs, speculation: str | None, device: str, trace: list | None = None):
-    """`reqs` served to the end by the layout's engine for `speculation` (`_engine`), timed; returns (results,
-    the run's DFlash statistics, seconds). `trace`: a list that gets adaptive speculation's choice of every
-    step (`Speculator.trace`)."""
-    engine = _engine(artifact_dir, speculation, device, reqs[0].prompt[:8])
+READ_BACK = "target-only-no-overlap"  # the extra target-only engine of --compare-overlap
+
+
+def _run(artifact_dir: Path, reqs, speculation: str | None, device: str, trace: list | None = None,
+         overlap: bool | None = None):
+    """`reqs` served to the end by the layout's engine for `speculation` (`_engine`; READ_BACK: target-only
+    with every step read back at once), timed; returns (results, the run's DFlash statistics, seconds).
+    `trace`: a list that gets adaptive speculation's choice of every step (`Speculator.trace`)."""
+    if speculation == READ_BACK:
+        speculation, overlap = None, False
+    engine = _engine(artifact_dir, speculation, device, reqs[0].prompt[:8], overlap)
     if engine.spec is not None:
         engine.spec.stats = type(engine.spec.stats)()  # the statistics are the run's
         engine.spec.trace = trace
@@ -113,12 +126,14 @@ def _row_acceptance(hist: list[int], block: int) -> list[float]:
 
 
 def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str, policies: list[str],
-                    repeats: int = 1, traces: dict | None = None) -> dict:
+                    repeats: int = 1, traces: dict | None = None, overlap: bool | None = None,
+                    compare_overlap: bool = False) -> dict:
     """Target-only vs each speculation policy: each prompt alone, then all prompts in one batch. Each
     measurement runs `repeats` times, target-only and the policies interleaved, and keeps the fastest: one
     timing of a short run on a shared machine swings by more than the differences sought, and the noise
     only ever adds time. `traces`: gets {run: adaptive speculation's choices per step} of each prompt's and
-    the batch's last adaptive run."""
+    the batch's last adaptive run. `overlap`: every engine's `RunConfig.overlap`; `compare_overlap`: one more
+    target-only engine, its steps read back at once, timed in the same rounds."""
     reqs = _requests(prompts, artifact_dir, max_new)
     from mg.manifests import read_manifest
 
@@ -130,9 +145,9 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
         """({policy or None: every run's seconds}, {policy or None: (results, stats) of the last run})."""
         times, last = {}, {}
         for _ in range(repeats):
-            for policy in [None] + policies:
+            for policy in [None] + ([READ_BACK] if compare_overlap else []) + policies:
                 trace = [] if traces is not None and policy == "adaptive" else None
-                res, stats, s = _run(artifact_dir, batch, policy, device, trace)
+                res, stats, s = _run(artifact_dir, batch, policy, device, trace, overlap)
                 if trace is not None:
                     traces[name] = trace
                 times.setdefault(policy, []).append(s)
@@ -140,11 +155,15 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
         return times, last
 
     target_spreads = []  # each prompt's target-only runs: slowest over fastest - 1
+    overlap_single = []  # each prompt's target-only time read back at once over overlapped (compare_overlap)
     for req in reqs:
         runs_s, runs = timed([req], req.id)
         t = {p: min(r) for p, r in runs_s.items()}
         target_spreads.append(_spread(runs_s[None]))
         ar = runs[None][0]
+        if compare_overlap:
+            lossless &= runs[READ_BACK][0][0].tokens == ar[0].tokens
+            overlap_single.append(t[READ_BACK] / t[None])
         for policy in policies:
             sd, sd_stats = runs[policy]
             lossless &= ar[0].tokens == sd[0].tokens
@@ -163,6 +182,13 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
            "target_only_spread": {"single_median": statistics.median(target_spreads),
                                   "single_max": max(target_spreads), "batched": _spread(runs_s[None])},
            "policies": {}}
+    if compare_overlap:
+        lossless &= all(a.tokens == b.tokens for a, b in zip(ar, runs[READ_BACK][0]))
+        # Target-only, overlapped (as every engine here) against read back at once: > 1 when overlap helps.
+        out["overlap"] = {"target_only_no_overlap_tokens_per_s": generated / t[READ_BACK],
+                          "batched_speedup": t[READ_BACK] / t[None],
+                          "single_speedup_median": statistics.median(overlap_single),
+                          "single_speedup_min": min(overlap_single)}
     for policy in policies:
         sd, sd_stats = runs[policy]
         lossless &= all(a.tokens == b.tokens for a, b in zip(ar, sd))
@@ -207,6 +233,13 @@ def _table(results: dict) -> str:
                          f"{b['speedup']:.2f}x | {p['single_speedup_median']:.2f}x ({p['single_speedup_min']:.2f}x) "
                          f"| {p['single_speedup_total']:.2f}x | {noise['single_median']:.0%} "
                          f"({noise['single_max']:.0%}) / {noise['batched']:.0%} | {b['chosen_k_hist']} |")
+    for layout, r in results["layouts"].items():
+        o = r.get("overlap")
+        if o is not None:
+            lines.append(f"\n{layout}: target-only overlapped vs read back at once: batched "
+                         f"{r['target_only_tokens_per_s']:.1f} vs {o['target_only_no_overlap_tokens_per_s']:.1f} "
+                         f"tok/s ({o['batched_speedup']:.2f}x), single prompts median {o['single_speedup_median']:.2f}x "
+                         f"(min {o['single_speedup_min']:.2f}x)")
     return "\n".join(lines)
 
 
@@ -222,6 +255,9 @@ def main() -> int:
     p.add_argument("--speculation", default="adaptive,fixed", help="comma-separated: adaptive, fixed")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per measurement, target-only and DFlash interleaved; the fastest is kept")
+    add_overlap_arg(p)
+    p.add_argument("--compare-overlap", action="store_true",
+                   help="also time target-only with every step read back at once (no overlap), in the same rounds")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--trace", type=Path, default=None,
                    help="also write adaptive speculation's choice of every step (JSON: layout -> run -> steps)")
@@ -236,14 +272,15 @@ def main() -> int:
 
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
     results = {"device": args.device, "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens,
-               "speculation": args.speculation.split(","), "layouts": {}}
+               "speculation": args.speculation.split(","), "overlap": args.overlap, "layouts": {}}
     traces = {}
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
             art = _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / layout, args.max_context)
             traces[layout] = {} if args.trace is not None else None
             results["layouts"][layout] = evaluate_layout(art, args.prompts, args.max_new_tokens, args.device,
-                                                         args.speculation.split(","), args.repeats, traces[layout])
+                                                         args.speculation.split(","), args.repeats, traces[layout],
+                                                         overlap_value(args.overlap), args.compare_overlap)
     if args.trace is not None:
         args.trace.write_text(json.dumps(traces) + "\n")
     table = _table(results)

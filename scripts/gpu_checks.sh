@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one go: CUDA tests (kernels, caches, sampling, CUDA graphs, engines), the
 # attention, quantized-linear and decode benchmarks, the DFlash evaluation of the embedded default on CUDA, the engine's per-step
-# profile (time, graph captures, host synchronisations), the host work of a plain step per engine, a DFlash round's
+# profile (time, graph captures, host synchronisations), the host work of a plain step per engine (overlapped and not), a DFlash round's
 # calls kernel by kernel (drafter attention as the Triton kernel and as the torch reference), the real-width
 # decode benchmark and the serving benchmark. Results (logs,
 # JSON, Markdown tables) go to ${OUT:-gpu-results}. Works from a source checkout without installing: the mg.*
@@ -35,13 +35,17 @@ for step in "${steps[@]}"; do
         attention) python3 scripts/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" ;;
         quant) python3 scripts/bench_quant.py --head --out "$OUT/bench_quant.json" 2>&1 | tee "$OUT/bench_quant.md" ;;
         decode) python3 scripts/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.md" ;;
-        eval) python3 scripts/eval_dflash.py --device cuda --out "$OUT/eval_dflash_cuda.json" \
+        eval) python3 scripts/eval_dflash.py --device cuda --compare-overlap --out "$OUT/eval_dflash_cuda.json" \
                   --trace "$OUT/eval_dflash_cuda_trace.json" 2>&1 \
                   | grep -v "Warning\|return cls" | tee "$OUT/eval_dflash_cuda.md" ;;
         profile) python3 scripts/profile_engine.py --device cuda --out "$OUT/profile_engine_cuda.json" \
                   --profile "$OUT/profiles" 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/profile_engine_cuda.md" ;;
-        host) python3 scripts/bench_host_step.py --device cuda --batches 1,8 --out "$OUT/bench_host_step_cuda.json" \
-                  2>&1 | grep -v "Warning\|return cls" | tee "$OUT/bench_host_step_cuda.md" ;;
+        host) for o in on off; do
+                  python3 scripts/bench_host_step.py --device cuda --batches 1,8 --overlap "$o" \
+                      --out "$OUT/bench_host_step_cuda_overlap_$o.json" 2>&1 | grep -v "Warning\|return cls" \
+                      | tee "$OUT/bench_host_step_cuda_overlap_$o.md"
+                  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+              done ;;
         round) for a in kernel reference; do
                   python3 scripts/profile_round.py --device cuda --draft-attention "$a" \
                       --out "$OUT/profile_round_cuda_$a.json" 2>&1 | grep -v "Warning\|return cls" \

@@ -1,5 +1,6 @@
 """What several benchmark scripts parse and prepare alike: an artifact argument (or the embedded default,
-exported into a temporary folder) with its device and layout, and comma-separated integer lists. Scripts
+exported into a temporary folder) with its device and layout, the engines' overlap
+(`--overlap`), and comma-separated integer lists. Scripts
 run as `python scripts/NAME.py` import it from their own folder."""
 
 from __future__ import annotations
@@ -15,6 +16,18 @@ def add_artifact_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--layout", default="sequence", choices=["sequence", "cell"],
                    help="KV layout of the embedded default's export (ignored with an artifact)")
+
+
+def add_overlap_arg(p: argparse.ArgumentParser) -> None:
+    """`--overlap auto|on|off`: `RunConfig.overlap` of the script's engines (`overlap_value`)."""
+    p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="launch greedy plain steps before the step before is read back (RunConfig.overlap): "
+                        "auto = with CUDA graphs [default: auto]")
+
+
+def overlap_value(choice: str) -> bool | None:
+    """`--overlap`'s choice as `RunConfig.overlap`."""
+    return {"auto": None, "on": True, "off": False}[choice]
 
 
 def artifact_dir(artifact: Path | None, layout: str, tmp: Path) -> Path:
