@@ -19,16 +19,18 @@ runs schedule's drafts, run and postprocess's acceptance as one fused round
 Overlap (`RunConfig.overlap`, on with CUDA graphs): a greedy plain decode step
 (no drafts, no prompt chunk) is launched and left in flight: its argmax and
 the copy of its tokens to the host are queued, and `step` returns without
-waiting. The next step, when it is again a plain step of those sequences
-(nothing waits for admission, no sequence is at its last token, and the
-speculator is inside a kept plain stretch: `Speculator.plain_next`), takes
-their tokens on the device (`ModelRunner.pack(head_tokens=)`), launches, and
-only then reads the previous step's tokens back: the host's work of one step
-runs while the device computes the one before. Otherwise the step in flight
-is read back first and the step runs as usual. A sequence that ended on EOS
-in a step read back late wasted one row in the step after it (its token is
-dropped; its caches were freed and the device's writes to them come before
-any later use in stream order).
+waiting. The next step is scheduled (and the speculator chooses) with that
+step still in flight when every running sequence is in it and none is at
+its last token (`Sequence.in_flight` keeps their room for drafts right; a
+slot an EOS frees in that step goes to a waiting request one step later).
+If it is a plain step of those sequences it takes their tokens
+on the device (`ModelRunner.pack(head_tokens=)`), launches, and only then
+reads the previous step's tokens back: the host's work of one step runs
+while the device computes the one before. Otherwise the step in flight is
+read back first (sequences it ended leave the scheduled batch) and the step
+runs as usual. A sequence that ended on EOS in a step read back late wasted
+one row in the step after it (its token is dropped; its caches were freed
+and the device's writes to them come before any later use in stream order).
 
 Greedy output is the same token for token with and without drafts, in both
 layouts, batched or alone. Knows the model only through the artifact; never
@@ -189,18 +191,25 @@ class Engine:
     def step(self) -> None:
         t0 = time.perf_counter()
         chained = None
-        if self._inflight is not None:
-            if self._chains():
+        choose = self._choose if self.spec is not None else None
+        if self._inflight is not None and self._may_chain():
+            # Scheduled with the step in flight: the choice needs no token, and runs while the device computes.
+            batch = self.scheduler.schedule(choose)
+            if not batch.prefill and not any(batch.n_drafts):
                 chained, self._inflight = self._inflight, None
-            else:
+            else:  # drafts need the tokens on the host: read back first
+                self.drain()
+                batch = self._without_finished(batch)
+                if not batch:  # every sequence ended in the step read back
+                    return
+        else:
+            if self._inflight is not None:
                 self.drain()
                 if self.scheduler.idle:  # that step ended every sequence
                     return
-        batch = self.scheduler.schedule(self._choose if self.spec is not None else None)
+            batch = self.scheduler.schedule(choose)
         if not batch:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # invariant
-        if chained is not None and (batch.prefill or any(batch.n_drafts)):
-            raise RuntimeError("a step chained on the device's tokens is not a plain decode step")  # invariant
         if self.spec is not None and self.spec.fuses(batch):
             self._fused_step(batch)
             rows = len(batch.decode) + sum(batch.n_drafts)  # the forward rows the unfused step would have had
@@ -221,6 +230,8 @@ class Engine:
                 if self.spec is not None:
                     self.spec.end_commits()
             else:
+                if chained is not None:  # invariant: a chained step is greedy, as the step it chains on
+                    raise RuntimeError("a step chained on the device's tokens was not launched as a plain step")
                 hidden = out[1] if len(out) > 1 else None
                 accepted, new_tokens = self._accept(step.groups, drafts, out[0])
                 self._postprocess(batch, step, drafts, accepted, new_tokens, hidden)
@@ -231,19 +242,28 @@ class Engine:
 
     # ------------------------------------------------------------------ overlap (module docstring)
 
-    def _chains(self) -> bool:
-        """Can the next step run on the tokens of the step in flight, still on the device? It must be a plain
-        decode step of (some of) the same sequences: no request waits for admission (a slot the step in flight
-        frees would change the batch), none of them is at its last token, and the speculator surely chooses a
-        plain step."""
+    def _may_chain(self) -> bool:
+        """May the next step be scheduled with the step in flight, and run on its tokens if it is a plain step?
+        Only if every running sequence is in that step and none of their tokens in flight is its last (such a
+        sequence ends when read back, and its slot goes to a waiting request at once). Requests may wait: if the
+        scheduler admits one, the step has a prompt chunk and reads the step in flight back first; a slot that
+        an EOS in the step in flight frees is seen by the step after."""
         running = self.scheduler.running
-        if self.scheduler.waiting or not running:
+        if not running:
             return False
         members = set(map(id, self._inflight.seqs))  # running only loses members while a step is in flight
         for seq in running:
             if id(seq) not in members or seq.n_generated + 1 >= seq.request.max_new_tokens:
                 return False
-        return self.spec is None or self.spec.plain_next(running)
+        return True
+
+    @staticmethod
+    def _without_finished(batch: Batch) -> Batch:
+        """`batch`, scheduled with a step in flight, less the sequences that ended when it was read back."""
+        if all(seq.finish_reason is None for seq in batch.decode):
+            return batch
+        kept = [(seq, k) for seq, k in zip(batch.decode, batch.n_drafts) if seq.finish_reason is None]
+        return Batch([seq for seq, _ in kept], [k for _, k in kept], batch.prefill)
 
     def _chained_tokens(self, chained: _InFlight, decode: list) -> torch.Tensor:
         """The device tokens of `decode`'s rows: those of the step in flight, less sequences that ended since."""
@@ -270,6 +290,7 @@ class Engine:
             ready.record()
         for seq in decode:
             seq.n_cached += 1
+            seq.in_flight += 1
         if self.spec is not None:
             self.spec.observe_plain(decode)
         self._inflight = _InFlight(list(decode), tokens, host, ready)
@@ -281,6 +302,7 @@ class Engine:
         if inflight.ready is not None:
             inflight.ready.synchronize()
         for seq, token in zip(inflight.seqs, inflight.host.tolist()):
+            seq.in_flight -= 1
             if seq.finish_reason is None:
                 self._append(seq, [token])
             else:

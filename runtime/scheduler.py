@@ -39,6 +39,7 @@ class Sequence:
     tokens: list[int]  # prompt, then generated tokens
     n_cached: int = 0  # tokens whose KV is written (committed)
     finish_reason: Optional[str] = None
+    in_flight: int = 0  # tokens made on the device and not appended yet (an overlapped step: engine.py)
 
     @property
     def n_generated(self) -> int:
@@ -56,8 +57,8 @@ class Sequence:
     @property
     def room(self) -> int:
         """Draft rows this sequence may still verify: tokens left to generate after the pending one's
-        successor (so a round never overshoots max_new_tokens)."""
-        return self.request.max_new_tokens - self.n_generated - 1
+        successor (so a round never overshoots max_new_tokens), tokens in flight counted as generated."""
+        return self.request.max_new_tokens - self.n_generated - self.in_flight - 1
 
 
 @dataclass(frozen=True)

@@ -706,25 +706,15 @@ class Speculator:
         that. Pricing every round again costs tens of microseconds of host time per step, a tenth of a plain
         step on a GPU; the check is a few comparisons (the last kept step was computed when the plain step was
         chosen, `_keep_until`)."""
-        if not self._kept_at(slots, self._steps):
+        kept_slots, acceptance, version, costs, until = self._kept
+        if (self._steps > until or kept_slots != slots or acceptance is not self.acceptance
+                or version != acceptance.version or costs is not self.costs):
             self._kept = None
             return False
         self._prediction = (0, 0)
         if self.trace is not None:
             self.trace.append({"n": len(slots), "chose": 0, "kept": True})
         return True
-
-    def _kept_at(self, slots: list[int], step: int) -> bool:
-        """Does the kept plain step (`self._kept`, not None) still hold at `step` for these slots?"""
-        kept_slots, acceptance, version, costs, until = self._kept
-        return not (step > until or kept_slots != slots or acceptance is not self.acceptance
-                    or version != acceptance.version or costs is not self.costs)
-
-    def plain_next(self, decode: list) -> bool:
-        """Will the next `choose` for `decode`, with no prompt chunk joining, surely give a plain step? True only
-        inside a kept stretch (`_keep_plain`). Changes nothing: an engine with an overlapped step in flight
-        asks it before it schedules, to chain the next plain step on the device's tokens (`engine.py`)."""
-        return self._kept is not None and self._kept_at([s.slot for s in decode], self._steps + 1)
 
     def _keep_until(self, slots: list[int], floor: float) -> int:
         """The last step (`_steps`) a plain step chosen now is kept for: KEEP_STEPS more, and none at or after

@@ -9,7 +9,7 @@ import torch
 from mg.runtime.artifact import load_artifact
 from mg.runtime.config import RunConfig
 from mg.runtime.engine import Engine
-from mg.runtime.scheduler import Request
+from mg.runtime.scheduler import Batch, Request
 
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -26,8 +26,11 @@ def _requests(prompts, max_new=MAX_NEW):
 
 
 def _engine(art, dflash: bool, overlap: bool, eos=None, device="cpu", graphs=None) -> Engine:
+    # Methods interpreted (compile=False) on CUDA too: what overlap changes is outside them, and compiling
+    # each artifact's methods would cost a minute.
     engine = Engine(load_artifact(art, device=device),
-                    RunConfig(device=device, cuda_graphs=graphs, dflash=dflash, overlap=overlap, fused_rounds=True))
+                    RunConfig(device=device, cuda_graphs=graphs, compile=False, dflash=dflash, overlap=overlap,
+                              fused_rounds=True))
     if dflash:  # a drafter rejected many times: adaptive speculation keeps stretches of plain steps
         for slot in range(engine.cache.n_slots):
             for _ in range(30):
@@ -78,6 +81,41 @@ def test_a_sequence_that_ends_on_eos_read_back_late_drops_the_row_after_it(which
     engine = _engine(art, dflash, True, eos)
     assert _tokens(engine, reqs) == expected and engine.stats.overlapped_steps > 0
     assert all(n == 0 for n in engine.cache.metrics().lengths)
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_a_round_chosen_with_a_step_in_flight_reads_it_back_first(which, request, reference, tiny_cfg):
+    engine = _engine(request.getfixturevalue(which), True, True)
+    reqs = _requests(_prompts(tiny_cfg.vocab_size))[:3]
+    for r in reqs:
+        engine.submit(r)
+    while engine.stats.overlapped_steps < 2:
+        engine.step()
+    assert engine._inflight is not None and engine.spec_stats.rounds == 0
+    for slot in range(engine.cache.n_slots):  # the drafter turns out to be perfect: the next choice drafts
+        for _ in range(30):
+            engine.spec.acceptance.observe(slot, 7, 7)
+    done = {}
+    while not engine.scheduler.idle:
+        engine.step()
+        done.update({r.id: r.tokens for r in engine.take_finished()})
+    assert engine.spec_stats.rounds > 0 and engine.spec_stats.drafted_tokens > 0
+    assert [done[r.id] for r in reqs] == reference[:3]
+    assert all(n == 0 for n in engine.cache.metrics().lengths)
+
+
+def test_a_batch_scheduled_with_a_step_in_flight_loses_the_sequences_that_step_ended(tiny_dflash_seq_artifact):
+    engine = _engine(tiny_dflash_seq_artifact, False, True)
+    for i, prompt in enumerate([(5, 6, 7), (8, 9), (10, 11, 12, 13)]):
+        engine.submit(Request(f"s{i}", prompt, 8))
+    engine.step()
+    a, b, c = engine.scheduler.running
+    batch = Batch([a, b, c], [3, 0, 2], [])
+    assert Engine._without_finished(batch) is batch  # none ended: the batch as it is
+    b.finish_reason = "eos"
+    assert Engine._without_finished(batch) == Batch([a, c], [3, 2], [])
+    a.finish_reason = c.finish_reason = "eos"
+    assert not Engine._without_finished(batch)
 
 
 @pytest.mark.parametrize("which", LAYOUTS)
