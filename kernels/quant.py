@@ -6,7 +6,7 @@ Schemes (docs/ARCHITECTURE.md, "Quantized weights"); W is the float weight [N, K
   W ~ weight_q * scale[:, None], with scale = max |W[n, :]| / 127.
 - int4: per group of `group_size` consecutive input columns, asymmetric. `weight_q` uint8 [N, K / 2]
   (column 2j in the low nibble of byte j, column 2j + 1 in the high nibble), `scale` and `zero` [N, K / G]
-  (float): W ~ q * scale + zero with q in [0, 15], zero = the group's minimum, scale = its range / 15.
+  (float): W ~ q * scale + zero with q in [0, 15]; scale and zero fitted per group (`quantize_int4`).
 
 `mg::linear_int8(x, weight_q, scale)` and `mg::linear_int4(x, weight_q, scale, zero, group_size)` compute
 `x W~^T` for x [..., K]. Their registered implementation is the torch reference (dequantize, then a matmul
@@ -55,15 +55,51 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+# Shrink factors of a group's [min, max] tried by `quantize_int4` (1.0 first: plain min-max)
+INT4_RANGES = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of a float weight [n, K] (K a multiple of `group_size`, which is even) -> (packed uint8 [n, K/2],
-    scale [n, K/G] float32, zero [n, K/G] float32)."""
+    scale [n, K/G] float32, zero [n, K/G] float32).
+
+    Per group: for each range [min, max] * r (r in `INT4_RANGES`) the codes q = round((w - lo) / scale),
+    then the scale and zero that fit `q * scale + zero` to w best for those codes (least squares); the r with
+    the smallest squared error wins. Never worse than plain min-max (r = 1 refitted): on the embedded default
+    (groups of 128) the mean |logit difference| to float fell from 0.145 to 0.134 (BENCHMARKS.md)."""
     n, k = w.shape
     groups = w.float().reshape(n, k // group_size, group_size)
-    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
-    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
-    return pack_int4(q), scale, lo
+    lo0, hi0 = groups.amin(dim=2), groups.amax(dim=2)
+    total = groups.sum(dim=2)
+    spread = groups.square().sum(dim=2) - total * total / group_size  # sum of (w - mean)^2
+    best_err = best_r = None
+    for r in INT4_RANGES:
+        q = _int4_codes(groups, lo0 * r, hi0 * r)
+        # The least-squares fit of w by q * scale + zero leaves spread - cov^2 / var (sums over the group).
+        q_sum = q.sum(dim=2)
+        var = q.square().sum(dim=2) - q_sum * q_sum / group_size
+        cov = (q * groups).sum(dim=2) - q_sum * total / group_size
+        err = spread - cov * cov / var.clamp(min=1e-12)
+        if best_err is None:
+            best_err, best_r = err, torch.full_like(err, r)
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_r = torch.where(better, r, best_r)
+    q = _int4_codes(groups, lo0 * best_r, hi0 * best_r)
+    q_sum = q.sum(dim=2)
+    var = q.square().sum(dim=2) - q_sum * q_sum / group_size
+    cov = (q * groups).sum(dim=2) - q_sum * total / group_size
+    # A group whose codes are all equal (a constant group) keeps its min-max step; zero then fits the mean.
+    scale = torch.where(var > 1e-6, cov / var.clamp(min=1e-12), ((hi0 - lo0) / 15.0).clamp(min=1e-12))
+    zero = (total - scale * q_sum) / group_size
+    return pack_int4(q.to(torch.uint8).reshape(n, k)), scale, zero
+
+
+def _int4_codes(groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Codes in [0, 15] (float) of `groups` [n, G', G] on the ranges [lo, hi] [n, G']."""
+    step = ((hi - lo) / 15.0).clamp(min=1e-12)
+    return torch.round((groups - lo[..., None]) / step[..., None]).clamp_(0, 15)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
