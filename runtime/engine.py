@@ -23,7 +23,8 @@ waiting. The next step is scheduled (and the speculator chooses) with that
 step still in flight when every running sequence is in it and none is at
 its last token (`Sequence.in_flight` keeps their room for drafts right; a
 slot an EOS frees in that step goes to a waiting request one step later).
-If it is a plain step of those sequences it takes their tokens
+If it is a plain step of those sequences only (not one admitted now: a
+one-token prompt decodes at once) it takes their tokens
 on the device (`ModelRunner.pack(head_tokens=)`), launches, and only then
 reads the previous step's tokens back: the host's work of one step runs
 while the device computes the one before. Otherwise the step in flight is
@@ -195,9 +196,10 @@ class Engine:
         if self._inflight is not None and self._may_chain():
             # Scheduled with the step in flight: the choice needs no token, and runs while the device computes.
             batch = self.scheduler.schedule(choose)
-            if not batch.prefill and not any(batch.n_drafts):
+            rows = self._chain_rows(batch)
+            if rows is not None:
                 chained, self._inflight = self._inflight, None
-            else:  # drafts need the tokens on the host: read back first
+            else:  # drafts, and sequences admitted now, need the tokens on the host: read back first
                 self.drain()
                 batch = self._without_finished(batch)
                 if not batch:  # every sequence ended in the step read back
@@ -218,7 +220,7 @@ class Engine:
                       else StepDrafts.none(len(batch.decode)))
             # The rows whose commit does not wait for acceptance: the forward writes them to the draft context.
             known = self.spec.reserve_known(batch.decode, drafts.ks, batch.prefill) if self.spec is not None else None
-            head = self._chained_tokens(chained, batch.decode) if chained is not None else None
+            head = self._chained_tokens(chained, rows) if chained is not None else None
             step = self.runner.pack(batch.decode, drafts.ks, batch.prefill, drafts.tokens, known, head)
             out = self.runner.forward(step)
             if self._overlap and not batch.prefill and not any(drafts.ks) and self._sampling_batch(
@@ -265,13 +267,21 @@ class Engine:
         kept = [(seq, k) for seq, k in zip(batch.decode, batch.n_drafts) if seq.finish_reason is None]
         return Batch([seq for seq, _ in kept], [k for _, k in kept], batch.prefill)
 
-    def _chained_tokens(self, chained: _InFlight, decode: list) -> torch.Tensor:
-        """The device tokens of `decode`'s rows: those of the step in flight, less sequences that ended since."""
-        if len(decode) == len(chained.seqs):  # the same sequences in the same order (running only loses members)
+    def _chain_rows(self, batch: Batch) -> Optional[list[int]]:
+        """For a plain step of sequences all in the step in flight: each one's row there. None otherwise: a
+        prompt chunk or drafts, or a sequence admitted now (a one-token prompt is a decode sequence at once)."""
+        if batch.prefill or any(batch.n_drafts):
+            return None
+        row = {id(seq): i for i, seq in enumerate(self._inflight.seqs)}
+        rows = [row.get(id(seq)) for seq in batch.decode]
+        return None if None in rows else rows
+
+    @staticmethod
+    def _chained_tokens(chained: _InFlight, rows: list[int]) -> torch.Tensor:
+        """The device tokens of a chained step's decode rows: `rows` of the step in flight's."""
+        if rows == list(range(len(chained.seqs))):  # the same sequences in the same order
             return chained.tokens
-        row = {id(seq): i for i, seq in enumerate(chained.seqs)}
-        index = long_tensor([row[id(seq)] for seq in decode])
-        return chained.tokens.index_select(0, to_device(index, chained.tokens.device))
+        return chained.tokens.index_select(0, to_device(long_tensor(rows), chained.tokens.device))
 
     def _launch(self, decode: list, logits: torch.Tensor) -> None:
         """Leave a greedy plain step in flight: each sequence's token is its row's argmax, on the device, and its
@@ -287,7 +297,7 @@ class Engine:
             host = self._pinned[i][:b]
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(tokens.device))  # the stream of the copy, whatever device is current
         for seq in decode:
             seq.n_cached += 1
             seq.in_flight += 1

@@ -10,6 +10,7 @@ from mg.runtime.artifact import load_artifact
 from mg.runtime.config import RunConfig
 from mg.runtime.engine import Engine
 from mg.runtime.scheduler import Batch, Request
+from mg.runtime.speculative import CostModel, ProbeSchedule
 
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -29,15 +30,28 @@ def _engine(art, dflash: bool, overlap: bool, eos=None, device="cpu", graphs=Non
     # Methods interpreted (compile=False) on CUDA too: what overlap changes is outside them, and compiling
     # each artifact's methods would cost a minute.
     engine = Engine(load_artifact(art, device=device),
-                    RunConfig(device=device, cuda_graphs=graphs, compile=False, dflash=dflash, overlap=overlap,
-                              fused_rounds=True))
-    if dflash:  # a drafter rejected many times: adaptive speculation keeps stretches of plain steps
-        for slot in range(engine.cache.n_slots):
-            for _ in range(30):
-                engine.spec.acceptance.observe(slot, 4, 0)
+                    RunConfig(device=device, cuda_graphs=graphs, compile=False, dflash=dflash, overlap=overlap))
+    if dflash:  # a drafter rejected so far: adaptive speculation chooses plain steps
+        _rejecting(engine)
     if eos is not None:
         engine.scheduler.eos_ids = frozenset(eos)
     return engine
+
+
+def _rejecting(engine: Engine) -> None:
+    """`engine`'s drafter rejected many times. Unfused (CPU): priced by fixed costs, no timed calls and no
+    probes, so every choice is a plain step whatever this machine measured. Fused rounds (CUDA graphs): the
+    costs it measured, probes included."""
+    spec = engine.spec
+    for slot in range(engine.cache.n_slots):
+        for _ in range(30):
+            spec.acceptance.observe(slot, 7, 0)
+    if not engine.config.fused:
+        sizes = (1, 2, 4, 8, 16, 24)
+        spec.costs = CostModel({n: 1e-3 + 1e-5 * n for n in sizes}, {b: 1e-4 for b in (1, 2, 3)},
+                               {m: 0.0 for m in sizes}, padded=False)
+        engine.runner.call_log = None
+        spec.probes = ProbeSchedule(engine.cache.n_slots, start=10 ** 9, cap=10 ** 9)
 
 
 def _tokens(engine, reqs):
@@ -89,17 +103,27 @@ def test_a_round_chosen_with_a_step_in_flight_reads_it_back_first(which, request
     reqs = _requests(_prompts(tiny_cfg.vocab_size))[:3]
     for r in reqs:
         engine.submit(r)
-    while engine.stats.overlapped_steps < 2:
+    while engine.stats.overlapped_steps < 2 and not engine.scheduler.idle:
         engine.step()
     assert engine._inflight is not None and engine.spec_stats.rounds == 0
-    for slot in range(engine.cache.n_slots):  # the drafter turns out to be perfect: the next choice drafts
-        for _ in range(30):
+    for slot in range(engine.cache.n_slots):  # now it turns out perfect: the next choice, made in flight, drafts
+        for _ in range(60):
             engine.spec.acceptance.observe(slot, 7, 7)
+    propose, drafted = engine.spec.propose, []
+
+    def checked(decode, ks):  # a drafting step: read back first, and no sequence drafts past its last token
+        if any(ks):
+            for seq, k in zip(decode, ks):
+                assert seq.in_flight == 0 and k <= seq.request.max_new_tokens - seq.n_generated - 1
+                drafted.append(k)
+        return propose(decode, ks)
+
+    engine.spec.propose = checked
     done = {}
     while not engine.scheduler.idle:
         engine.step()
         done.update({r.id: r.tokens for r in engine.take_finished()})
-    assert engine.spec_stats.rounds > 0 and engine.spec_stats.drafted_tokens > 0
+    assert engine.spec_stats.rounds > 0 and engine.spec_stats.drafted_tokens > 0 and any(drafted)
     assert [done[r.id] for r in reqs] == reference[:3]
     assert all(n == 0 for n in engine.cache.metrics().lengths)
 
@@ -116,6 +140,65 @@ def test_a_batch_scheduled_with_a_step_in_flight_loses_the_sequences_that_step_e
     assert Engine._without_finished(batch) == Batch([a, c], [3, 2], [])
     a.finish_reason = c.finish_reason = "eos"
     assert not Engine._without_finished(batch)
+
+
+@pytest.mark.parametrize("dflash", [False, True], ids=["target-only", "dflash"])
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_a_one_token_prompt_admitted_with_a_step_in_flight_is_not_chained_on_it(which, dflash, request, tiny_cfg):
+    # A one-token prompt is a decode sequence as soon as it is admitted: its token is on the host, not in the
+    # step in flight, so that step is read back first. Once alone beside one running sequence (a row count
+    # the step in flight does not have), once in the place of a cancelled one (the same count).
+    art = request.getfixturevalue(which)
+    prompts = _prompts(tiny_cfg.vocab_size)
+    late = Request("late", (42,), 10)
+    alone = {r.id: _tokens(_engine(art, False, False), [r])[0]
+             for r in [Request("a", prompts[3], 20), Request("b", prompts[1], 20), Request("c", prompts[2], 20),
+                       late]}
+    engine = _engine(art, dflash, True)
+    engine.submit(Request("a", prompts[3], 20))
+    while engine.stats.overlapped_steps < 1:
+        engine.step()
+    engine.submit(late)
+    done = {}
+    while not engine.scheduler.idle:
+        engine.step()
+        done.update({r.id: r.tokens for r in engine.take_finished()})
+    assert done == {"a": alone["a"], "late": alone["late"]}
+    engine = _engine(art, dflash, True)
+    for r in [Request("a", prompts[3], 20), Request("b", prompts[1], 20), Request("c", prompts[2], 20)]:
+        engine.submit(r)
+    while engine.stats.overlapped_steps < 1:
+        engine.step()
+    assert engine._inflight is not None and engine.cancel("b")
+    engine.submit(late)
+    done = {}
+    while not engine.scheduler.idle:
+        engine.step()
+        done.update({r.id: r.tokens for r in engine.take_finished()})
+    assert done == {k: alone[k] for k in ("a", "c", "late")}
+    assert all(n == 0 for n in engine.cache.metrics().lengths)
+
+
+@pytest.mark.parametrize("dflash", [False, True], ids=["target-only", "dflash"])
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_requests_that_fill_the_context_end_without_a_wasted_row(which, dflash, request, reference, tiny_cfg):
+    # prompt + max_new_tokens = the context, no EOS: a step chained on a sequence's last token would compute a
+    # row for a sequence that ends when that token is read back (and keep its slot from a waiting request).
+    art = request.getfixturevalue(which)
+    capacity = load_artifact(art).manifest.kv.capacity
+    prompts = _prompts(tiny_cfg.vocab_size)
+    reqs = [Request(f"f{i}", p, capacity - len(p), ignore_eos=True) for i, p in enumerate(prompts[2:5])]
+    expected = _tokens(_engine(art, False, False), reqs)
+    engine = _engine(art, dflash, True)
+    if dflash:  # a drafter as good as can be, from the start: rounds up to the end of each context
+        for slot in range(engine.cache.n_slots):
+            for _ in range(60):
+                engine.spec.acceptance.observe(slot, 7, 7)
+    assert _tokens(engine, reqs) == expected and engine.stats.overlapped_steps > 0
+    assert engine.stats.overlap_wasted_rows == 0  # no EOS: no step ran on a sequence that had ended
+    if dflash:
+        assert engine.spec_stats.rounds > 0
+    assert all(n == 0 for n in engine.cache.metrics().lengths)
 
 
 @pytest.mark.parametrize("which", LAYOUTS)
