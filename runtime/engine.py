@@ -81,6 +81,7 @@ class _InFlight:
     """A greedy plain decode step launched and not read back (module docstring, Overlap)."""
 
     seqs: list  # its decode sequences, in row order
+    rows: dict  # id(sequence) -> its row: which sequences are in it, and where
     tokens: torch.Tensor  # [len(seqs)] each one's next token, on the device
     host: torch.Tensor  # their copy on the way to the host (CUDA: pinned), or `tokens` itself on CPU
     ready: Optional["torch.cuda.Event"]  # recorded after that copy (CUDA)
@@ -253,7 +254,7 @@ class Engine:
         running = self.scheduler.running
         if not running:
             return False
-        members = set(map(id, self._inflight.seqs))  # running only loses members while a step is in flight
+        members = self._inflight.rows  # running only loses members while a step is in flight
         for seq in running:
             if id(seq) not in members or seq.n_generated + 1 >= seq.request.max_new_tokens:
                 return False
@@ -272,7 +273,7 @@ class Engine:
         prompt chunk or drafts, or a sequence admitted now (a one-token prompt is a decode sequence at once)."""
         if batch.prefill or any(batch.n_drafts):
             return None
-        row = {id(seq): i for i, seq in enumerate(self._inflight.seqs)}
+        row = self._inflight.rows
         rows = [row.get(id(seq)) for seq in batch.decode]
         return None if None in rows else rows
 
@@ -303,7 +304,7 @@ class Engine:
             seq.in_flight += 1
         if self.spec is not None:
             self.spec.observe_plain(decode)
-        self._inflight = _InFlight(list(decode), tokens, host, ready)
+        self._inflight = _InFlight(list(decode), {id(seq): i for i, seq in enumerate(decode)}, tokens, host, ready)
         self._launches += 1
 
     def _read_back(self, inflight: _InFlight) -> None:

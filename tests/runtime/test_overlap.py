@@ -43,9 +43,7 @@ def _rejecting(engine: Engine) -> None:
     probes, so every choice is a plain step whatever this machine measured. Fused rounds (CUDA graphs): the
     costs it measured, probes included."""
     spec = engine.spec
-    for slot in range(engine.cache.n_slots):
-        for _ in range(30):
-            spec.acceptance.observe(slot, 7, 0)
+    _believe(engine, 0, 30)
     if not engine.config.fused:
         sizes = (1, 2, 4, 8, 16, 24)
         spec.costs = CostModel({n: 1e-3 + 1e-5 * n for n in sizes}, {b: 1e-4 for b in (1, 2, 3)},
@@ -56,6 +54,32 @@ def _rejecting(engine: Engine) -> None:
 
 def _tokens(engine, reqs):
     return [r.tokens for r in engine.run(reqs)]
+
+
+def _believe(engine: Engine, accepted: int, times: int) -> None:
+    """Every slot's drafts of 7 were accepted `accepted` at a time, `times` times."""
+    for slot in range(engine.cache.n_slots):
+        for _ in range(times):
+            engine.spec.acceptance.observe(slot, 7, accepted)
+
+
+def _into_flight(engine: Engine, reqs, overlapped: int) -> None:
+    """Submit `reqs` and step until `overlapped` steps were launched on the tokens of a step in flight."""
+    for r in reqs:
+        engine.submit(r)
+    while engine.stats.overlapped_steps < overlapped and not engine.scheduler.idle:
+        engine.step()
+
+
+def _to_the_end(engine: Engine) -> dict:
+    """Step until nothing is left, the step in flight read back: {request id: tokens} of what finished."""
+    done = {}
+    while not engine.scheduler.idle:
+        engine.step()
+        done.update({r.id: r.tokens for r in engine.take_finished()})
+    engine.drain()
+    done.update({r.id: r.tokens for r in engine.take_finished()})
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +125,9 @@ def test_a_sequence_that_ends_on_eos_read_back_late_drops_the_row_after_it(which
 def test_a_round_chosen_with_a_step_in_flight_reads_it_back_first(which, request, reference, tiny_cfg):
     engine = _engine(request.getfixturevalue(which), True, True)
     reqs = _requests(_prompts(tiny_cfg.vocab_size))[:3]
-    for r in reqs:
-        engine.submit(r)
-    while engine.stats.overlapped_steps < 2 and not engine.scheduler.idle:
-        engine.step()
+    _into_flight(engine, reqs, 2)
     assert engine._inflight is not None and engine.spec_stats.rounds == 0
-    for slot in range(engine.cache.n_slots):  # now it turns out perfect: the next choice, made in flight, drafts
-        for _ in range(60):
-            engine.spec.acceptance.observe(slot, 7, 7)
+    _believe(engine, 7, 60)  # now it turns out perfect: the next choice, made in flight, drafts
     propose, drafted = engine.spec.propose, []
 
     def checked(decode, ks):  # a drafting step: read back first, and no sequence drafts past its last token
@@ -119,10 +138,7 @@ def test_a_round_chosen_with_a_step_in_flight_reads_it_back_first(which, request
         return propose(decode, ks)
 
     engine.spec.propose = checked
-    done = {}
-    while not engine.scheduler.idle:
-        engine.step()
-        done.update({r.id: r.tokens for r in engine.take_finished()})
+    done = _to_the_end(engine)
     assert engine.spec_stats.rounds > 0 and engine.spec_stats.drafted_tokens > 0 and any(drafted)
     assert [done[r.id] for r in reqs] == reference[:3]
     assert all(n == 0 for n in engine.cache.metrics().lengths)
@@ -155,27 +171,15 @@ def test_a_one_token_prompt_admitted_with_a_step_in_flight_is_not_chained_on_it(
              for r in [Request("a", prompts[3], 20), Request("b", prompts[1], 20), Request("c", prompts[2], 20),
                        late]}
     engine = _engine(art, dflash, True)
-    engine.submit(Request("a", prompts[3], 20))
-    while engine.stats.overlapped_steps < 1:
-        engine.step()
+    _into_flight(engine, [Request("a", prompts[3], 20)], 1)
+    assert engine._inflight is not None
     engine.submit(late)
-    done = {}
-    while not engine.scheduler.idle:
-        engine.step()
-        done.update({r.id: r.tokens for r in engine.take_finished()})
-    assert done == {"a": alone["a"], "late": alone["late"]}
+    assert _to_the_end(engine) == {"a": alone["a"], "late": alone["late"]}
     engine = _engine(art, dflash, True)
-    for r in [Request("a", prompts[3], 20), Request("b", prompts[1], 20), Request("c", prompts[2], 20)]:
-        engine.submit(r)
-    while engine.stats.overlapped_steps < 1:
-        engine.step()
+    _into_flight(engine, [Request("a", prompts[3], 20), Request("b", prompts[1], 20), Request("c", prompts[2], 20)], 1)
     assert engine._inflight is not None and engine.cancel("b")
     engine.submit(late)
-    done = {}
-    while not engine.scheduler.idle:
-        engine.step()
-        done.update({r.id: r.tokens for r in engine.take_finished()})
-    assert done == {k: alone[k] for k in ("a", "c", "late")}
+    assert _to_the_end(engine) == {k: alone[k] for k in ("a", "c", "late")}
     assert all(n == 0 for n in engine.cache.metrics().lengths)
 
 
@@ -191,9 +195,7 @@ def test_requests_that_fill_the_context_end_without_a_wasted_row(which, dflash, 
     expected = _tokens(_engine(art, False, False), reqs)
     engine = _engine(art, dflash, True)
     if dflash:  # a drafter as good as can be, from the start: rounds up to the end of each context
-        for slot in range(engine.cache.n_slots):
-            for _ in range(60):
-                engine.spec.acceptance.observe(slot, 7, 7)
+        _believe(engine, 7, 60)
     assert _tokens(engine, reqs) == expected and engine.stats.overlapped_steps > 0
     assert engine.stats.overlap_wasted_rows == 0  # no EOS: no step ran on a sequence that had ended
     if dflash:
@@ -204,21 +206,12 @@ def test_requests_that_fill_the_context_end_without_a_wasted_row(which, dflash, 
 @pytest.mark.parametrize("which", LAYOUTS)
 def test_cancel_with_a_step_in_flight_leaves_the_others_tokens_alone(which, request, reference, tiny_cfg):
     engine = _engine(request.getfixturevalue(which), False, True)
-    reqs = _requests(_prompts(tiny_cfg.vocab_size))[:3]
-    for r in reqs:
-        engine.submit(r)
-    while engine.stats.overlapped_steps < 2:
-        engine.step()
+    _into_flight(engine, _requests(_prompts(tiny_cfg.vocab_size))[:3], 2)
     assert engine._inflight is not None and "r1" in {s.request.id for s in engine._inflight.seqs}
     assert engine.cancel("r1")
-    done = {}
-    while not engine.scheduler.idle:
-        engine.step()
-        done.update({r.id: r for r in engine.take_finished()})
-    engine.drain()
-    done.update({r.id: r for r in engine.take_finished()})
+    done = _to_the_end(engine)
     assert sorted(done) == ["r0", "r2"]
-    assert done["r0"].tokens == reference[0] and done["r2"].tokens == reference[2]
+    assert done["r0"] == reference[0] and done["r2"] == reference[2]
     assert engine.stats.overlap_wasted_rows >= 1  # r1's token of the step in flight
     assert all(n == 0 for n in engine.cache.metrics().lengths)
 
