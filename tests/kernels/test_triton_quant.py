@@ -61,12 +61,13 @@ def test_split_k_and_leading_dimensions():
     _close(tq.linear_int8_triton(x, *int8), quant.linear_int8_ref(x, *int8))
 
 
-def test_a_row_gets_the_same_result_alone_and_in_a_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_result_alone_and_in_a_batch(dtype):
     """The split and the order of a row's sums depend on the weight's shape only: up to 16 rows (one tile
     shape) a row's result is the same bits alone or batched (greedy tokens of one sequence should not depend
-    on who shares its step)."""
-    int8, int4 = _weights(128, 512, 64, torch.float32, seed=3)
-    x = torch.randn(16, 512).to(DEVICE)
+    on who shares its step; DFlash verifies 16 rows where a plain step runs one)."""
+    int8, int4 = _weights(128, 512, 64, dtype, seed=3)
+    x = torch.randn(16, 512).to(dtype).to(DEVICE)
     for fn, w in ((tq.linear_int8_triton, int8), (tq.linear_int4_triton, int4)):
         batch = fn(x, *w)
         for i in (0, 9, 15):
@@ -106,6 +107,9 @@ def test_real_width_shapes(m):
         x = torch.randn(m, 6656, device=DEVICE).to(dtype)
         _close(tq.linear_int8_triton(x, *int8), quant.linear_int8_ref(x, *int8))
         _close(tq.linear_int4_triton(x, *int4), quant.linear_int4_ref(x, *int4))
+        if m <= 16:  # the decode row of a DFlash verify: the same bits alone as among 16 rows
+            for fn, w in ((tq.linear_int8_triton, int8), (tq.linear_int4_triton, int4)):
+                assert torch.equal(fn(x[:1], *w), fn(torch.cat([x[:1], x[:1].expand(15, -1)]), *w)[:1])
 
 
 # ------------------------------------------------------------------ torch's tensor-core int4 kernel (CUDA)
