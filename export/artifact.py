@@ -27,6 +27,8 @@ from mg.manifests import (
 
 from mg.manifests.values import file_entry, write_stamp
 
+from .calibrate import (DEFAULT_TOKENS as DEFAULT_CALIBRATION_TOKENS, WINDOW as CALIBRATION_WINDOW, CalibrationError,
+                        check_memory, input_hessians, read_calibration)
 from .checkpoint import expected_shapes, load_config
 from .config import PRESETS, ConfigError, MuseGlimmerConfig
 from .draft_lower import DraftSource, draft_constants, draft_facts, draft_kv_spec, draft_methods, export_draft
@@ -61,6 +63,8 @@ class ExportOptions:
     weights: str = C.WEIGHTS_FLOAT  # linear layers: float (in `dtype`) | int8 | int4
     group_size: Optional[int] = None  # int4: input columns per scale [default: 128]
     quantize_head: bool = False  # the LM head too (it stays in `dtype` otherwise)
+    calibration: Optional[Path] = None  # a UTF-8 text file: the target's quantized linears by GPTQ on it
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS  # at most this many tokens of it
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,11 @@ def check_options(opts: ExportOptions) -> None:
                               f"{' | '.join(map(str, C.INT4_GROUP_SIZES))}")
     if opts.quantize_head and opts.weights == C.WEIGHTS_FLOAT:
         raise ExportError("--quantize-head needs --weights int8 or int4")
+    if opts.calibration is not None and opts.weights == C.WEIGHTS_FLOAT:
+        raise ExportError("--calibration needs --weights int8 or int4 (it chooses how their weights are rounded)")
+    if opts.calibration_tokens < CALIBRATION_WINDOW:
+        raise ExportError(f"--calibration-tokens is {opts.calibration_tokens}; allowed: an integer >= "
+                          f"{CALIBRATION_WINDOW} (one window)")
     out = Path(opts.output_dir)
     here = Path.cwd().resolve()
     if out.resolve() == here or out.resolve() in here.parents:
@@ -233,12 +242,38 @@ def _ptd_tensors(external: dict[str, tuple], sources: dict[str, WeightSource],
     return tensors
 
 
-def _weight_groups(plans: dict[str, dict], scheme: str, group_size: Optional[int]) -> tuple[WeightGroup, ...]:
-    """The manifest's record of what was quantized: the target's layer linears, its head, the drafter's."""
+def _weight_groups(plans: dict[str, dict], scheme: str, group_size: Optional[int],
+                   calibration_tokens: int = 0) -> tuple[WeightGroup, ...]:
+    """The manifest's record of what was quantized: the target's layer linears, its head, the drafter's; with
+    `calibration_tokens`, the target's groups by GPTQ on that many tokens (the drafter's always rounded)."""
     counts = {C.GROUP_TARGET_LINEARS: sum(1 for n in plans.get("model", {}) if n != "output"),
               C.GROUP_TARGET_HEAD: sum(1 for n in plans.get("model", {}) if n == "output"),
               C.GROUP_DRAFT_LINEARS: len(plans.get("draft", {}))}
-    return tuple(WeightGroup(group, scheme, group_size, n) for group, n in counts.items() if n)
+
+    def fit(group: str) -> dict:
+        if calibration_tokens and group != C.GROUP_DRAFT_LINEARS:
+            return {"fit": C.FIT_GPTQ, "calibration_tokens": calibration_tokens}
+        return {}
+
+    return tuple(WeightGroup(group, scheme, group_size, n, **fit(group)) for group, n in counts.items() if n)
+
+
+def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict],
+               progress: Progress) -> tuple[dict, int]:
+    """With --calibration: the inputs' statistics of the target's quantized linears on the text (the float
+    target built in host memory) -> ({linear name: E[x x^T]}, tokens used); else ({}, 0)."""
+    if opts.calibration is None:
+        return {}, 0
+    names = {n: p.shape[1] for n, p in plans["model"].items()}
+    try:
+        windows = read_calibration(opts.calibration, target.tokenizer, target.cfg.bos_id, opts.calibration_tokens)
+        check_memory(target.cfg, names.values())
+    except CalibrationError as e:
+        raise ExportError(str(e)) from None
+    tokens = sum(map(len, windows))
+    progress(f"calibration: {len(windows)} windows, {tokens} tokens of {opts.calibration}; the float target in "
+             f"host memory collects its {len(names)} quantized linears' inputs for GPTQ")
+    return input_hessians(target.cfg, target.weights, names, windows, progress), tokens
 
 
 def _quantize(opts: ExportOptions, model: MuseGlimmer, draft_model: Optional[DFlashDraft], group_size: Optional[int],
@@ -281,6 +316,7 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
              f"{cfg.n_params() / 1e9:.3f}B parameters, {dtype}, weights from {target.weights.description}")
     group_size = (opts.group_size or DEFAULT_GROUP_SIZE) if opts.weights == C.WEIGHTS_INT4 else None
     plans = _quantize(opts, model, draft_model, group_size, dtype, progress)
+    hessians, calibration_tokens = _calibrate(opts, target, plans, progress)
     stored = sum(p.numel() * p.element_size() for m in (model, draft_model) if m is not None for p in m.parameters())
     check_disk(_existing(Path(opts.output_dir).parent), stored)  # up front, before any lowering
     taps = tuple(draft.cfg.target_layers) if draft is not None else ()
@@ -301,7 +337,7 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
         sources["draft"] = draft.weights
         buffers.update({f"draft.{n}": b for n, b in draft_model.named_buffers()})
     for prefix, plan in plans.items():
-        sources[prefix] = QuantizedWeights(sources[prefix], plan)
+        sources[prefix] = QuantizedWeights(sources[prefix], plan, hessians if prefix == "model" else None)
     program, external = to_program(ProgramParts(methods, constants), progress)
     tensors = _ptd_tensors(external, sources, buffers)
 
@@ -338,7 +374,7 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
             files=tuple(entries),
             provenance=Provenance(tool_version=_version("mg-toolchain"), torch_version=torch.__version__,
                                   executorch_version=_version("executorch")),
-            weights=_weight_groups(plans, opts.weights, group_size),
+            weights=_weight_groups(plans, opts.weights, group_size, calibration_tokens),
         )
         write_manifest(manifest, tmp / C.MANIFEST_FILE)
         _replace_dir(tmp, out)

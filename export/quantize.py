@@ -5,7 +5,8 @@ and a weight source that quantizes the float checkpoint tensors as they stream i
 those named in `skip`, by a `QuantizedLinear` whose parameters are `<name>.weight_q`, `<name>.scale` (and
 `<name>.zero` for int4); it returns the plan {linear name: QuantSpec}. `QuantizedWeights(source, plan)` serves
 those parameters from the float `<name>.weight` of `source`, quantized row chunk by row chunk (both schemes
-are row-local), so an export still never holds more than one chunk of a weight. The formats are those of
+are row-local, rounded to nearest or, given the inputs' statistics of calibration text, by GPTQ), so an export
+still never holds more than one chunk of a weight. The formats are those of
 `mg.kernels.quant`. Knows nothing about ExecuTorch or the runtime.
 """
 
@@ -17,7 +18,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from mg.kernels.quant import SCHEME_INT4, SCHEME_INT8, quantize_int4, quantize_int8
+from mg.kernels.quant import SCHEME_INT4, SCHEME_INT8, gptq, quantize_int4, quantize_int8
 
 from .weights import WeightSource
 
@@ -99,12 +100,16 @@ def quantize_linears(module: nn.Module, scheme: str, group_size: Optional[int], 
 
 
 class QuantizedWeights:
-    """`inner`'s tensors, with the parameters of the planned linears made from their float weights."""
+    """`inner`'s tensors, with the parameters of the planned linears made from their float weights: by GPTQ
+    for the linears that `hessians` has inputs' statistics of (`mg.kernels.quant.gptq`, row-local too), by
+    rounding to nearest for the others."""
 
-    def __init__(self, inner: WeightSource, plan: dict[str, PlannedLinear]):
-        self.inner, self.plan = inner, plan
+    def __init__(self, inner: WeightSource, plan: dict[str, PlannedLinear],
+                 hessians: Optional[dict[str, torch.Tensor]] = None):
+        self.inner, self.plan, self.hessians = inner, plan, hessians or {}
         schemes = sorted({p.spec.scheme for p in plan.values()})
-        self.description = f"{inner.description}, linears quantized to {'/'.join(schemes)}" if plan \
+        how = f" ({len(self.hessians)} by GPTQ)" if self.hessians else ""
+        self.description = f"{inner.description}, linears quantized to {'/'.join(schemes)}{how}" if plan \
             else inner.description
         self._side: dict[str, dict[str, torch.Tensor]] = {}  # linear -> scale/zero computed, not yet served
 
@@ -144,4 +149,7 @@ class QuantizedWeights:
         spec, (n_out, n_in) = planned.spec, planned.shape
         for flat in self.inner.chunks(f"{base}.weight", (n_out, n_in), torch.float32):
             rows = flat.reshape(-1, n_in)
-            yield quantize_int8(rows) if spec.scheme == SCHEME_INT8 else quantize_int4(rows, spec.group_size)
+            if base in self.hessians:
+                yield gptq(rows, self.hessians[base], spec.scheme, spec.group_size)
+            else:
+                yield quantize_int8(rows) if spec.scheme == SCHEME_INT8 else quantize_int4(rows, spec.group_size)

@@ -108,6 +108,59 @@ def _fit_sums(q: torch.Tensor, groups: torch.Tensor, total: torch.Tensor) -> tup
     return q_sum, var, cov
 
 
+def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | None = None,
+         damp: float = 0.01) -> tuple[torch.Tensor, ...]:
+    """Rows of a float weight [n, K] quantized to `scheme`'s format (as `quantize_int8` / `quantize_int4`
+    return it) by GPTQ: columns are rounded in order, and each column's rounding error is spread over the
+    columns not yet rounded, weighted by `hessian` = E[x x^T] [K, K] of the linear's inputs on calibration
+    text, so that the layer's output error on such inputs, not the weights' own, is what gets small. Rows are
+    independent: any row chunk gives the rows of the whole. int4 groups take their scale and zero (the
+    least-squares fit of `quantize_int4`) from their columns' error-updated weights when the group's turn
+    comes; int8 keeps each row's symmetric scale of the original weights. `damp` times the mean diagonal is
+    added to the diagonal (columns no input reaches get 1 and weight 0)."""
+    n, k = w.shape
+    w = w.float().clone()
+    h = hessian.to(torch.float64).clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h.diagonal().add_(damp * torch.diagonal(h).mean())
+    # the upper Cholesky factor of H^-1: row i holds how column i's error moves the columns after it
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    block = group_size if scheme == SCHEME_INT4 else 128
+    codes = torch.empty((n, k), dtype=torch.int8 if scheme == SCHEME_INT8 else torch.uint8)
+    if scheme == SCHEME_INT8:
+        scale8 = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    else:
+        scale4 = torch.empty((n, k // group_size))
+        zero4 = torch.empty_like(scale4)
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
+        wb = w[:, b0:b1].clone()
+        err = torch.empty_like(wb)
+        hb = hinv[b0:b1, b0:b1]
+        if scheme == SCHEME_INT4:
+            _, s_g, z_g = quantize_int4(wb, group_size)
+            s, z = s_g[:, 0], z_g[:, 0]
+            scale4[:, b0 // group_size], zero4[:, b0 // group_size] = s, z
+        for i in range(b1 - b0):
+            col = wb[:, i]
+            if scheme == SCHEME_INT8:
+                q = torch.round(col / scale8).clamp_(-127, 127)
+                deq = q * scale8
+            else:
+                q = torch.round((col - z) / s).clamp_(0, 15)
+                deq = q * s + z
+            codes[:, b0 + i] = q.to(codes.dtype)
+            e = (col - deq) / hb[i, i]
+            wb[:, i:] -= e[:, None] * hb[i, i:][None, :]
+            err[:, i] = e
+        w[:, b1:] -= err @ hinv[b0:b1, b1:]
+    if scheme == SCHEME_INT8:
+        return codes, scale8
+    return pack_int4(codes), scale4, zero4
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """uint8 values in [0, 15] [n, K] -> [n, K/2]: column 2j low nibble, 2j + 1 high."""
     return q[:, 0::2] | (q[:, 1::2] << 4)

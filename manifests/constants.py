@@ -34,6 +34,11 @@ GROUP_TARGET_LINEARS = "target.linears"  # every linear of the target's layers
 GROUP_TARGET_HEAD = "target.head"  # the LM head (also the drafter's)
 GROUP_DRAFT_LINEARS = "draft.linears"  # every linear of the drafter
 WEIGHT_GROUPS = (GROUP_TARGET_LINEARS, GROUP_TARGET_HEAD, GROUP_DRAFT_LINEARS)
+# How a quantized group's codes were chosen: each weight rounded to nearest (with its group's fitted scale), or
+# by GPTQ against the inputs' statistics of calibration text (`mg-export --calibration`).
+FIT_ROUND = "round"
+FIT_GPTQ = "gptq"
+WEIGHT_FITS = (FIT_ROUND, FIT_GPTQ)
 
 # Program methods.
 METHOD_FORWARD = "forward"

@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 from .constants import (
     DTYPES, FORMAT, INT4_GROUP_SIZES, LAYOUT_CELL, LAYOUT_SEQUENCE, LAYOUTS, POLICIES, POLICY_FLAT, POLICY_RING, VERSION,
     GROUP_DRAFT_LINEARS, GROUP_TARGET_HEAD, GROUP_TARGET_LINEARS, WEIGHT_GROUPS, WEIGHTS_FLOAT, WEIGHTS_INT4,
-    WEIGHTS_INT8,
+    WEIGHTS_INT8, FIT_GPTQ, FIT_ROUND, WEIGHT_FITS,
 )
 from .errors import ManifestError
 
@@ -187,6 +187,11 @@ class FileEntry:
               self.sha256, "64 lowercase hex digits")
 
 
+# Keys added to version 1 after its first release: optional when read (an older manifest lacks them), and
+# written only when they differ from their default (an older reader then still reads a float artifact).
+_ADDED = {"omit_default": True}
+
+
 @dataclass(frozen=True)
 class WeightGroup:
     """A group of tensors stored quantized (groups not listed are stored in `model.dtype`)."""
@@ -195,6 +200,8 @@ class WeightGroup:
     scheme: str  # int8 (per output channel) | int4 (per group of input columns, with zero points)
     group_size: Optional[int]  # int4: input columns per scale; int8: null
     tensors: int  # how many linears the group holds
+    fit: str = field(default=FIT_ROUND, metadata=_ADDED)  # round (to nearest) | gptq (calibrated)
+    calibration_tokens: int = field(default=0, metadata=_ADDED)  # gptq: tokens of calibration text
 
     def check(self, path: str) -> None:
         _need(self.group in WEIGHT_GROUPS, f"{path}.group", self.group, " | ".join(WEIGHT_GROUPS))
@@ -206,11 +213,15 @@ class WeightGroup:
         else:
             _need(self.group_size is None, f"{path}.group_size", self.group_size, "null (int8 has no groups)")
         _need(self.tensors >= 1, f"{path}.tensors", self.tensors, "an integer >= 1")
+        _need(self.fit in WEIGHT_FITS, f"{path}.fit", self.fit, " | ".join(WEIGHT_FITS))
+        if self.fit == FIT_GPTQ:
+            _need(self.calibration_tokens >= 1, f"{path}.calibration_tokens", self.calibration_tokens,
+                  "an integer >= 1 (gptq is calibrated on text)")
+        else:
+            _need(self.calibration_tokens == 0, f"{path}.calibration_tokens", self.calibration_tokens,
+                  "0 (round-to-nearest uses no calibration text)")
 
 
-# Keys added to version 1 after its first release: optional when read (an older manifest lacks them), and
-# written only when they differ from their default (an older reader then still reads a float artifact).
-_ADDED = {"omit_default": True}
 
 
 @dataclass(frozen=True)
@@ -262,7 +273,8 @@ class Manifest:
         if not self.weights:
             return self.model.dtype
         names = {GROUP_TARGET_LINEARS: "linears", GROUP_TARGET_HEAD: "head", GROUP_DRAFT_LINEARS: "drafter"}
-        parts = [f"{w.scheme}{f'-g{w.group_size}' if w.group_size else ''} {names[w.group]}" for w in self.weights]
+        parts = [f"{w.scheme}{f'-g{w.group_size}' if w.group_size else ''}{'-gptq' if w.fit == FIT_GPTQ else ''} "
+                 f"{names[w.group]}" for w in self.weights]
         if self.weight_scheme(GROUP_TARGET_HEAD) == WEIGHTS_FLOAT:
             parts.append(f"{self.model.dtype} head")
         return ", ".join(parts)

@@ -87,6 +87,34 @@ def test_ops_run_the_reference_unless_a_served_table_names_them():
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int8", None)])
+def test_gptq_rounds_where_the_outputs_on_its_inputs_change_least(scheme, group):
+    """Against round-to-nearest (the same format): a smaller output error on correlated inputs whose E[x x^T]
+    it was given; rows quantized in chunks are the rows of the whole; a column no input reaches gets 0."""
+    w = _weight(48, 128)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4096, 128, generator=gen) @ (torch.eye(128) + torch.randn(128, 128, generator=gen) / 8)
+    x[:, 7] = 0
+    h = x.T @ x / x.shape[0]
+
+    def dequantized(parts):
+        if scheme == "int4":
+            return quant.dequantize_int4(*parts, group, torch.float32)
+        return quant.dequantize_int8(*parts, torch.float32)
+
+    def out_err(parts):
+        return ((x @ (w - dequantized(parts)).T) ** 2).mean().item()
+
+    rtn = quant.quantize_int4(w, group) if scheme == "int4" else quant.quantize_int8(w)
+    got = quant.gptq(w, h, scheme, group)
+    assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in rtn]
+    assert out_err(got) < 0.8 * out_err(rtn)
+    dead = dequantized(got)[:, 7]  # weight 0, as near as the format gets (int4's zero point is not exact)
+    assert torch.all(dead == 0) if scheme == "int8" else torch.all(dead.abs() <= got[1][:, 0] / 2 + 1e-6)
+    top, bottom = quant.gptq(w[:20], h, scheme, group), quant.gptq(w[20:], h, scheme, group)
+    assert all(torch.equal(torch.cat([a, b]), c) for a, b, c in zip(top, bottom, got))
+
+
 # ------------------------------------------------------------------ export and runtime
 
 
@@ -221,6 +249,13 @@ def test_manifest_weight_groups_are_checked():
             _parse_dataclass(WeightGroup, {**base, key: value}, "weights[0]")
     with pytest.raises(ManifestError, match="null"):
         _parse_dataclass(WeightGroup, {**base, "scheme": "int8"}, "weights[0]")
+    assert _parse_dataclass(WeightGroup, base, "weights[0]").fit == C.FIT_ROUND  # written before GPTQ existed
+    gptq = _parse_dataclass(WeightGroup, {**base, "fit": "gptq", "calibration_tokens": 512}, "weights[0]")
+    assert (gptq.fit, gptq.calibration_tokens) == (C.FIT_GPTQ, 512)
+    for extra, allowed in (({"fit": "awq"}, "round | gptq"), ({"fit": "gptq"}, "an integer >= 1"),
+                           ({"calibration_tokens": 512}, "0 \\(round-to-nearest")):
+        with pytest.raises(ManifestError, match=allowed):
+            _parse_dataclass(WeightGroup, {**base, **extra}, "weights[0]")
 
 
 @pytest.mark.parametrize("args,message", [
@@ -236,6 +271,68 @@ def test_bad_quantization_options_are_refused_in_one_line_writing_nothing(tmp_pa
     lines = res.output.strip().splitlines()
     assert lines[-1].startswith("mg-export: error: ") and message in lines[-1], res.output
     assert not (tmp_path / "out").exists() and not any(tmp_path.iterdir())
+
+
+def _calibration_text(path: Path) -> Path:
+    path.write_text("def scale(values, factor):\n    return [v * factor for v in values]\n\n" * 60, encoding="utf-8")
+    return path
+
+
+def test_a_calibrated_export_records_gptq_and_runs_its_eager_model(tmp_path):
+    """`--calibration`: the target's linears by GPTQ on the text (the forward equals the eager model quantized
+    with the same inputs' statistics, and differs from round-to-nearest), recorded in the manifest; the
+    drafter stays rounded to nearest."""
+    from mg.export.calibrate import input_hessians, read_calibration
+
+    text = _calibration_text(tmp_path / "calibration.txt")
+    res = _export(tmp_path / "out", "--draft-preset", "tiny", "--weights", "int4", "--group-size", "32",
+                  "--calibration", str(text), "--calibration-tokens", "512")
+    assert res.exit_code == 0, res.output
+    assert "calibration: 2 windows, 512 tokens" in res.output
+    m = read_manifest(tmp_path / "out" / C.MANIFEST_FILE)
+    assert [(w.group, w.fit, w.calibration_tokens) for w in m.weights] == [
+        (C.GROUP_TARGET_LINEARS, C.FIT_GPTQ, 512), (C.GROUP_DRAFT_LINEARS, C.FIT_ROUND, 0)]
+    assert m.weights_label.startswith("int4-g32-gptq linears, int4-g32 drafter")
+
+    windows = read_calibration(text, None, CFG.bos_id, 512)
+    assert len(windows) == 2 and all(len(w) == 256 and w[0] == CFG.bos_id for w in windows)
+    model = init_random(MuseGlimmer(CFG), 0).eval()
+    plan = quantize_linears(model, "int4", 32, frozenset({"output"}), device="cpu")
+    hessians = input_hessians(CFG, RandomWeights(0), {n: p.shape[1] for n, p in plan.items()}, windows,
+                              lambda msg: None)
+    materialize(QuantizedWeights(RandomWeights(0), plan, hessians), model)
+    table = {**{op: None for op in CUSTOM_OPS}, ATTEND: ReferenceKV(CFG), "mg::linear_int4": quant.linear_int4_ref}
+    prog = Program.load(tmp_path / "out" / C.PROGRAM_FILE, data_path=tmp_path / "out" / C.WEIGHTS_FILE,
+                        custom_ops=table)
+    got = prog.run("forward", list(_prompt()))[0]
+    want, _ = model(*_prompt(), ReferenceKV(CFG))
+    assert (got - want).abs().max() <= 1e-5
+    rounded, _ = _eager("int4", 32, False)(*_prompt(), ReferenceKV(CFG))
+    assert (got - rounded).abs().max() > 1e-3
+
+
+def test_bad_calibration_is_refused_in_one_line_writing_nothing(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("x = 1\n", encoding="utf-8")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café = 1\n".encode("latin-1") * 100)
+    text = _calibration_text(tmp_path / "calibration.txt")
+    cases = [
+        (["--calibration", str(text)], "--calibration needs --weights int8 or int4"),
+        (["--weights", "int8", "--calibration", str(tmp_path / "missing.txt")], "missing.txt: file not found"),
+        (["--weights", "int8", "--calibration", str(tmp_path)], "is a directory"),
+        (["--weights", "int8", "--calibration", str(latin)], "latin.txt: not UTF-8"),
+        (["--weights", "int8", "--calibration", str(short)], "allowed: a text of at least 255 tokens"),
+        (["--weights", "int8", "--calibration", str(text), "--calibration-tokens", "100"],
+         "--calibration-tokens is 100; allowed: an integer >= 256"),
+    ]
+    for args, message in cases:
+        res = _export(tmp_path / "out", *args)
+        assert res.exit_code == 2, (args, res.output)
+        last = res.output.strip().splitlines()[-1]
+        assert last.startswith("mg-export: error: ") and message in last, (args, res.output)
+        assert not (tmp_path / "out").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.txt", "latin.txt", "short.txt"]
 
 
 @pytest.mark.slow
