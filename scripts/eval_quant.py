@@ -32,22 +32,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _export(checkpoint, draft_checkpoint, scheme: str, group_size: int, out: Path, max_context: int) -> Path:
+GPTQ = "-gptq"  # a scheme suffix: the target's linears rounded by GPTQ on the calibration text
+
+
+def _export(checkpoint, draft_checkpoint, scheme: str, group_size: int, out: Path, max_context: int,
+            calibration: Path | None) -> Path:
     from mg.export.artifact import PRESET_SEED, ExportOptions, export_artifact, load_target
     from mg.export.draft_lower import load_draft
 
+    weights = scheme.removesuffix(GPTQ)
     target = load_target(checkpoint, None)
     draft = load_draft(draft_checkpoint, None, target.cfg, PRESET_SEED)
     opts = ExportOptions(output_dir=out, layout="sequence", max_seqs=20, max_context=max_context, max_write=128,
-                         force=True, weights=scheme, group_size=group_size if scheme == "int4" else None)
+                         force=True, weights=weights, group_size=group_size if weights == "int4" else None,
+                         calibration=calibration if scheme.endswith(GPTQ) else None)
     export_artifact(opts, target, lambda msg: print(f"  [export {scheme}] {msg}", file=sys.stderr), draft)
     return out
 
 
-def _eager(checkpoint: Path, scheme: str, group_size: int):
+def _eager(checkpoint: Path, scheme: str, group_size: int, calibration: Path | None):
     """The float target from `checkpoint`, its linears (not the head) quantized as the export does."""
     import torch
 
+    from mg.export.calibrate import DEFAULT_TOKENS, input_hessians, read_calibration
     from mg.export.checkpoint import load_config
     from mg.export.config import MuseGlimmerConfig
     from mg.export.model import MuseGlimmer
@@ -58,13 +65,35 @@ def _eager(checkpoint: Path, scheme: str, group_size: int):
     model = MuseGlimmer(cfg).eval()
     source = SafetensorsWeights(checkpoint)
     if scheme != "float":
-        plan = quantize_linears(model, scheme, group_size if scheme == "int4" else None, frozenset({"output"}),
+        weights = scheme.removesuffix(GPTQ)
+        plan = quantize_linears(model, weights, group_size if weights == "int4" else None, frozenset({"output"}),
                                 device="cpu")
-        source = QuantizedWeights(source, plan)
+        hessians = None
+        if scheme.endswith(GPTQ):
+            windows = read_calibration(calibration, checkpoint / "tokenizer.json", cfg.bos_id, DEFAULT_TOKENS)
+            hessians = input_hessians(cfg, SafetensorsWeights(checkpoint), {n: p.shape[1] for n, p in plan.items()},
+                                      windows, lambda msg: print(f"  [eager {scheme}] {msg}", file=sys.stderr))
+        source = QuantizedWeights(source, plan, hessians)
     with torch.no_grad():
         materialize(source, model)
     source.close()
     return model
+
+
+def _stdlib_calibration(path: Path, prompt_files: set[str]) -> Path:
+    """Calibration text: the standard library files train_tiny.py trains on (its held-out split and the files
+    the prompts come from left out), shuffled with a fixed seed, written to `path`."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny
+
+    corpus = train_tiny.collect_corpus(train_tiny.Settings(out="").heldout_fraction, 0)
+    texts = [t for f, t in zip(corpus.train_files, corpus.train_texts) if f not in prompt_files]
+    random.Random(0).shuffle(texts)
+    path.write_text("\n".join(texts), encoding="utf-8")
+    print(f"calibration: {len(texts)} standard library files of {corpus.root}", file=sys.stderr)
+    return path
 
 
 def _teacher_forced(models: dict, sequences: list[tuple[list[int], int]]) -> dict:
@@ -107,15 +136,20 @@ def main() -> int:
     p.add_argument("--checkpoint", type=Path, default=None, help="target checkpoint [default: embedded default]")
     p.add_argument("--draft-checkpoint", type=Path, default=None)
     p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
-    p.add_argument("--schemes", default="float,int8,int4")
+    p.add_argument("--schemes", default="float,int8,int4",
+                   help="float first, then int8, int4, int8-gptq, int4-gptq (GPTQ on --calibration)")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="text for the -gptq schemes [default: this Python's standard library files outside the "
+                        "embedded default's held-out split and the prompts' files, as train_tiny.py splits them]")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="runs per speed measurement; the median is kept")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     schemes = args.schemes.split(",")
-    if schemes[0] != "float" or any(s not in ("float", "int8", "int4") for s in schemes):
-        p.error(f"--schemes is {args.schemes!r}; allowed: float first, then int8 and/or int4")
+    allowed = ("float", "int8", "int4", "int8" + GPTQ, "int4" + GPTQ)
+    if schemes[0] != "float" or any(s not in allowed for s in schemes):
+        p.error(f"--schemes is {args.schemes!r}; allowed: float first, then any of {', '.join(allowed[1:])}")
     if args.repeats < 1:
         p.error(f"--repeats is {args.repeats}; allowed: an integer >= 1")
     from mg.kernels.quiet import quiet_dependencies
@@ -132,13 +166,18 @@ def main() -> int:
 
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+    workdir = tempfile.TemporaryDirectory()
+    if any(s.endswith(GPTQ) for s in schemes) and args.calibration is None:
+        args.calibration = _stdlib_calibration(Path(workdir.name) / "calibration.txt", {r["id"] for r in rows})
     results = {"checkpoint": str(args.checkpoint), "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens,
+               "calibration": str(args.calibration) if args.calibration else None,
                "group_size": args.group_size, "threads": torch.get_num_threads(), "schemes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         arts = {}
         for scheme in schemes:
             t0 = time.perf_counter()
-            out = _export(args.checkpoint, args.draft_checkpoint, scheme, args.group_size, Path(tmp) / scheme, 1024)
+            out = _export(args.checkpoint, args.draft_checkpoint, scheme, args.group_size, Path(tmp) / scheme, 1024,
+                          args.calibration)
             arts[scheme] = load_artifact(out)
             results["schemes"][scheme] = {"export_s": time.perf_counter() - t0,
                                           "ptd_bytes": (out / "model.ptd").stat().st_size,
@@ -181,7 +220,7 @@ def main() -> int:
             r["greedy_position_agreement"] = sum(same) / sum(len(t) for t in tokens["float"])
             r["greedy_mean_common_prefix"] = statistics.mean(prefix)
         # teacher-forced logits against the float model, over the float artifact's continuations
-        models = {s: _eager(args.checkpoint, s, args.group_size) for s in schemes}
+        models = {s: _eager(args.checkpoint, s, args.group_size, args.calibration) for s in schemes}
         sequences = [(list(req.prompt) + t, len(req.prompt)) for req, t in zip(reqs, tokens["float"])]
         for s, v in _teacher_forced(models, sequences).items():
             results["schemes"][s].update(v)
