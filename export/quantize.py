@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from mg.kernels.quant import SCHEME_INT4, SCHEME_INT8, gptq, quantize_int4, quantize_int8
+from mg.kernels.quant import SCHEME_INT4, SCHEME_INT8, gptq, gptq_factor, quantize_int4, quantize_int8
 
 from .weights import WeightSource
 
@@ -107,6 +107,7 @@ class QuantizedWeights:
     def __init__(self, inner: WeightSource, plan: dict[str, PlannedLinear],
                  hessians: Optional[dict[str, torch.Tensor]] = None):
         self.inner, self.plan, self.hessians = inner, plan, hessians or {}
+        self._factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # linear -> its GPTQ factor, made once
         schemes = sorted({p.spec.scheme for p in plan.values()})
         how = f" ({len(self.hessians)} by GPTQ)" if self.hessians else ""
         self.description = f"{inner.description}, linears quantized to {'/'.join(schemes)}{how}" if plan \
@@ -150,6 +151,8 @@ class QuantizedWeights:
         for flat in self.inner.chunks(f"{base}.weight", (n_out, n_in), torch.float32):
             rows = flat.reshape(-1, n_in)
             if base in self.hessians:
-                yield gptq(rows, self.hessians[base], spec.scheme, spec.group_size)
+                if base not in self._factors:
+                    self._factors[base] = gptq_factor(self.hessians[base])
+                yield gptq(rows, self._factors[base], spec.scheme, spec.group_size)
             else:
                 yield quantize_int8(rows) if spec.scheme == SCHEME_INT8 else quantize_int4(rows, spec.group_size)

@@ -108,25 +108,31 @@ def _fit_sums(q: torch.Tensor, groups: torch.Tensor, total: torch.Tensor) -> tup
     return q_sum, var, cov
 
 
-def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | None = None,
-         damp: float = 0.01) -> tuple[torch.Tensor, ...]:
-    """Rows of a float weight [n, K] quantized to `scheme`'s format (as `quantize_int8` / `quantize_int4`
-    return it) by GPTQ: columns are rounded in order, and each column's rounding error is spread over the
-    columns not yet rounded, weighted by `hessian` = E[x x^T] [K, K] of the linear's inputs on calibration
-    text, so that the layer's output error on such inputs, not the weights' own, is what gets small. Rows are
-    independent: any row chunk gives the rows of the whole. int4 groups take their scale and zero (the
-    least-squares fit of `quantize_int4`) from their columns' error-updated weights when the group's turn
-    comes; int8 keeps each row's symmetric scale of the original weights. `damp` times the mean diagonal is
-    added to the diagonal (columns no input reaches get 1 and weight 0)."""
-    n, k = w.shape
-    w = w.float().clone()
+def gptq_factor(hessian: torch.Tensor, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `gptq` needs of E[x x^T] [K, K] of a linear's inputs, computed once per linear: the upper Cholesky
+    factor of its inverse (row i: how column i's rounding error moves the columns after it), after `damp`
+    times the mean diagonal is added to the diagonal, and the columns no input reaches (rounded as zeros)."""
     h = hessian.to(torch.float64).clone()
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
     h.diagonal().add_(damp * torch.diagonal(h).mean())
-    # the upper Cholesky factor of H^-1: row i holds how column i's error moves the columns after it
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    return hinv.float(), dead
+
+
+def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str,
+         group_size: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Rows of a float weight [n, K] quantized to `scheme`'s format (as `quantize_int8` / `quantize_int4`
+    return it) by GPTQ: columns are rounded in order, and each column's rounding error is spread over the
+    columns not yet rounded through `factor` (`gptq_factor` of E[x x^T] of the linear's inputs on calibration
+    text), so that the layer's output error on such inputs, not the weights' own, is what gets small. Rows are
+    independent: any row chunk gives the rows of the whole. int4 groups take their scale and zero (the
+    least-squares fit of `quantize_int4`) from their columns' error-updated weights when the group's turn
+    comes; int8 keeps each row's symmetric scale of the original weights."""
+    hinv, dead = factor
+    n, k = w.shape
+    w = w.float().clone()
+    w[:, dead] = 0.0
     block = group_size if scheme == SCHEME_INT4 else 128
     codes = torch.empty((n, k), dtype=torch.int8 if scheme == SCHEME_INT8 else torch.uint8)
     if scheme == SCHEME_INT8:

@@ -95,7 +95,7 @@ def test_gptq_rounds_where_the_outputs_on_its_inputs_change_least(scheme, group)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(4096, 128, generator=gen) @ (torch.eye(128) + torch.randn(128, 128, generator=gen) / 8)
     x[:, 7] = 0
-    h = x.T @ x / x.shape[0]
+    factor = quant.gptq_factor(x.T @ x / x.shape[0])
 
     def dequantized(parts):
         if scheme == "int4":
@@ -106,12 +106,12 @@ def test_gptq_rounds_where_the_outputs_on_its_inputs_change_least(scheme, group)
         return ((x @ (w - dequantized(parts)).T) ** 2).mean().item()
 
     rtn = quant.quantize_int4(w, group) if scheme == "int4" else quant.quantize_int8(w)
-    got = quant.gptq(w, h, scheme, group)
+    got = quant.gptq(w, factor, scheme, group)
     assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in rtn]
     assert out_err(got) < 0.8 * out_err(rtn)
     dead = dequantized(got)[:, 7]  # weight 0, as near as the format gets (int4's zero point is not exact)
     assert torch.all(dead == 0) if scheme == "int8" else torch.all(dead.abs() <= got[1][:, 0] / 2 + 1e-6)
-    top, bottom = quant.gptq(w[:20], h, scheme, group), quant.gptq(w[20:], h, scheme, group)
+    top, bottom = quant.gptq(w[:20], factor, scheme, group), quant.gptq(w[20:], factor, scheme, group)
     assert all(torch.equal(torch.cat([a, b]), c) for a, b, c in zip(top, bottom, got))
 
 
