@@ -25,6 +25,7 @@ from mg.manifests import (
     constants as C, write_manifest,
 )
 
+from mg.kernels.quant import gptq_factor
 from mg.manifests.values import file_entry, write_stamp
 
 from .calibrate import (DEFAULT_TOKENS as DEFAULT_CALIBRATION_TOKENS, WINDOW as CALIBRATION_WINDOW, CalibrationError,
@@ -64,7 +65,7 @@ class ExportOptions:
     group_size: Optional[int] = None  # int4: input columns per scale [default: 128]
     quantize_head: bool = False  # the LM head too (it stays in `dtype` otherwise)
     calibration: Optional[Path] = None  # a UTF-8 text file: the target's quantized linears by GPTQ on it
-    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS  # at most this many tokens of it
+    calibration_tokens: Optional[int] = None  # at most this many tokens of it [default: 65536]
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,12 @@ def check_options(opts: ExportOptions) -> None:
         raise ExportError("--quantize-head needs --weights int8 or int4")
     if opts.calibration is not None and opts.weights == C.WEIGHTS_FLOAT:
         raise ExportError("--calibration needs --weights int8 or int4 (it chooses how their weights are rounded)")
-    if opts.calibration_tokens < CALIBRATION_WINDOW:
-        raise ExportError(f"--calibration-tokens is {opts.calibration_tokens}; allowed: an integer >= "
-                          f"{CALIBRATION_WINDOW} (one window)")
+    if opts.calibration_tokens is not None:
+        if opts.calibration is None:
+            raise ExportError("--calibration-tokens applies with --calibration only")
+        if opts.calibration_tokens < CALIBRATION_WINDOW:
+            raise ExportError(f"--calibration-tokens is {opts.calibration_tokens}; allowed: an integer >= "
+                              f"{CALIBRATION_WINDOW} (one window)")
     out = Path(opts.output_dir)
     here = Path.cwd().resolve()
     if out.resolve() == here or out.resolve() in here.parents:
@@ -260,20 +264,32 @@ def _weight_groups(plans: dict[str, dict], scheme: str, group_size: Optional[int
 
 def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict],
                progress: Progress) -> tuple[dict, int]:
-    """With --calibration: the inputs' statistics of the target's quantized linears on the text (the float
-    target built in host memory) -> ({linear name: E[x x^T]}, tokens used); else ({}, 0)."""
+    """With --calibration: GPTQ's factor of each of the target's quantized linears from its inputs' statistics
+    on the text (the float target built in host memory) -> ({linear name: factor}, tokens used); else ({}, 0)."""
     if opts.calibration is None:
         return {}, 0
+    if target.tokenizer is None and not target.byte_tokenizer:
+        raise ExportError(f"--calibration needs the checkpoint's tokenizer.json to read the text; {target.name} "
+                          f"has none")
     names = {n: p.shape[1] for n, p in plans["model"].items()}
     try:
-        windows = read_calibration(opts.calibration, target.tokenizer, target.cfg.bos_id, opts.calibration_tokens)
+        windows = read_calibration(opts.calibration, target.tokenizer, target.cfg.bos_id, target.cfg.vocab_size,
+                                   opts.calibration_tokens or DEFAULT_CALIBRATION_TOKENS)
         check_memory(target.cfg, names.values())
     except CalibrationError as e:
         raise ExportError(str(e)) from None
     tokens = sum(map(len, windows))
     progress(f"calibration: {len(windows)} windows, {tokens} tokens of {opts.calibration}; the float target in "
              f"host memory collects its {len(names)} quantized linears' inputs for GPTQ")
-    return input_hessians(target.cfg, target.weights, names, windows, progress), tokens
+    hessians = input_hessians(target.cfg, target.weights, names, windows, progress)
+    factors = {}
+    for name in names:
+        try:
+            factors[name] = gptq_factor(hessians.pop(name))
+        except torch.linalg.LinAlgError:
+            raise ExportError(f"--calibration: the inputs' statistics of {name} are not positive definite (non-"
+                              f"finite activations on the text?); allowed: text the float model runs on") from None
+    return factors, tokens
 
 
 def _quantize(opts: ExportOptions, model: MuseGlimmer, draft_model: Optional[DFlashDraft], group_size: Optional[int],
@@ -316,9 +332,9 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
              f"{cfg.n_params() / 1e9:.3f}B parameters, {dtype}, weights from {target.weights.description}")
     group_size = (opts.group_size or DEFAULT_GROUP_SIZE) if opts.weights == C.WEIGHTS_INT4 else None
     plans = _quantize(opts, model, draft_model, group_size, dtype, progress)
-    hessians, calibration_tokens = _calibrate(opts, target, plans, progress)
     stored = sum(p.numel() * p.element_size() for m in (model, draft_model) if m is not None for p in m.parameters())
-    check_disk(_existing(Path(opts.output_dir).parent), stored)  # up front, before any lowering
+    check_disk(_existing(Path(opts.output_dir).parent), stored)  # up front, before calibration and lowering
+    factors, calibration_tokens = _calibrate(opts, target, plans, progress)
     taps = tuple(draft.cfg.target_layers) if draft is not None else ()
     progress(f"torch.export forward (tokens per step 1..{opts.max_write}{', hidden taps ' + str(list(taps)) if taps else ''})")
     methods = {C.METHOD_FORWARD: export_target(model, opts.max_write, taps)}
@@ -337,7 +353,7 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
         sources["draft"] = draft.weights
         buffers.update({f"draft.{n}": b for n, b in draft_model.named_buffers()})
     for prefix, plan in plans.items():
-        sources[prefix] = QuantizedWeights(sources[prefix], plan, hessians if prefix == "model" else None)
+        sources[prefix] = QuantizedWeights(sources[prefix], plan, factors if prefix == "model" else None)
     program, external = to_program(ProgramParts(methods, constants), progress)
     tensors = _ptd_tensors(external, sources, buffers)
 

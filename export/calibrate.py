@@ -1,6 +1,6 @@
 """Calibration for GPTQ at export: the inputs each quantized linear of the target sees on the user's text.
 
-`read_calibration(path, tokenizer, bos_id, tokens, window)` tokenizes a UTF-8 text file into windows of
+`read_calibration(path, tokenizer, bos_id, vocab_size, tokens, window)` tokenizes a UTF-8 text file into windows of
 `window` tokens (each starting with BOS when the model has one), up to `tokens` tokens in all.
 `input_hessians(cfg, weights, names, windows, progress)` builds the float target in host memory from its weight
 source, runs it over the windows and returns, per linear in `names`, E[x x^T] of its inputs ([K, K] float64),
@@ -29,10 +29,11 @@ class CalibrationError(ValueError):
     """Calibration text or memory that will not do; one line naming what and what is allowed."""
 
 
-def read_calibration(path: Path, tokenizer: Optional[Path], bos_id: Optional[int], tokens: int,
+def read_calibration(path: Path, tokenizer: Optional[Path], bos_id: Optional[int], vocab_size: int, tokens: int,
                      window: int = WINDOW) -> list[list[int]]:
     """Windows of `window` token ids from the text at `path`, at most `tokens` ids in all; refuses a file it
-    cannot read as UTF-8 or one shorter than one window."""
+    cannot read as UTF-8, one shorter than one window, and a tokenizer whose ids the model does not have.
+    `tokenizer` None: the byte-level tokenizer that presets get."""
     from tokenizers import Tokenizer
 
     path = Path(path)
@@ -50,7 +51,7 @@ def read_calibration(path: Path, tokenizer: Optional[Path], bos_id: Optional[int
     except OSError as e:
         raise CalibrationError(f"--calibration {path}: cannot read ({e.strerror})") from None
     with tempfile.TemporaryDirectory() as tmp:
-        if tokenizer is None:  # presets: the byte-level tokenizer the artifact gets
+        if tokenizer is None:  # presets: the byte-level tokenizer their artifacts get
             from .tokenizer import write_byte_tokenizer
 
             tokenizer = Path(tmp) / "tokenizer.json"
@@ -60,6 +61,9 @@ def read_calibration(path: Path, tokenizer: Optional[Path], bos_id: Optional[int
     per = window - len(head)
     ids = tok.encode(text[:64 * tokens], add_special_tokens=False).ids  # far more characters than needed
     windows = [head + ids[i:i + per] for i in range(0, len(ids) - per + 1, per)][:tokens // window]
+    if windows and max(max(w) for w in windows) >= vocab_size:
+        raise CalibrationError(f"--calibration: the tokenizer gives id {max(max(w) for w in windows)}, the model's "
+                               f"vocabulary has {vocab_size}; allowed: the checkpoint's own tokenizer.json")
     if not windows:
         raise CalibrationError(f"--calibration {path}: {len(ids)} tokens; allowed: a text of at least {per} "
                                f"tokens (one window of {window})")
@@ -81,10 +85,11 @@ def input_hessians(cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[st
     """{linear name: E[x x^T] of its inputs over `windows`} for the target's linears in `names` ({name: in
     features}), from the float target run in float32 on the CPU."""
     from .model import MuseGlimmer
-    from .reference import ReferenceKV
+    from .reference import dense_attend
 
-    model = MuseGlimmer(cfg).float().eval()
+    model = MuseGlimmer(cfg).float().eval()  # built whole (its buffers are computed), then filled
     materialize(weights, model)
+    attend = dense_attend(cfg)  # one window at a time, whole: no cache
     sums = {n: torch.zeros(k, k, dtype=torch.float64) for n, k in names.items()}
     rows = dict.fromkeys(names, 0)
 
@@ -104,8 +109,7 @@ def input_hessians(cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[st
             for i, ids in enumerate(windows):
                 t = torch.tensor(ids)
                 logit_rows = torch.arange(len(ids)) if all_rows else torch.tensor([len(ids) - 1])
-                model(t, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long), logit_rows,
-                      ReferenceKV(cfg))
+                model(t, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long), logit_rows, attend)
                 if time.perf_counter() - last > 10 or i + 1 == len(windows):
                     last = time.perf_counter()
                     progress(f"calibration: {i + 1}/{len(windows)} windows ({last - t0:.0f}s)")

@@ -57,8 +57,8 @@ def _progress():
               help="With --weights int8|int4: round the target's quantized linears by GPTQ, so that their outputs "
                    "on text like this UTF-8 file change least (the float target is loaded into host memory for "
                    "it; the drafter keeps round-to-nearest). [default: round-to-nearest]")
-@click.option("--calibration-tokens", type=int, default=65536, show_default=True,
-              help="--calibration: at most this many tokens of the file, in windows of 256.")
+@click.option("--calibration-tokens", type=int, default=None,
+              help="--calibration: at most this many tokens of the file, in windows of 256 [default: 65536].")
 @click.option("-o", "--output-dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory (one holding manifest.json).")
 def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write,

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from mg.kernels.quant import SCHEME_INT4, SCHEME_INT8, gptq, gptq_factor, quantize_int4, quantize_int8
+from mg.kernels.quant import SCHEME_INT4, SCHEME_INT8, gptq, quantize_int4, quantize_int8
 
 from .weights import WeightSource
 
@@ -101,15 +101,15 @@ def quantize_linears(module: nn.Module, scheme: str, group_size: Optional[int], 
 
 class QuantizedWeights:
     """`inner`'s tensors, with the parameters of the planned linears made from their float weights: by GPTQ
-    for the linears that `hessians` has inputs' statistics of (`mg.kernels.quant.gptq`, row-local too), by
-    rounding to nearest for the others."""
+    for the linears `factors` has (`mg.kernels.quant.gptq_factor` of their inputs' statistics; `gptq` is
+    row-local too), by rounding to nearest for the others. A factor is dropped once its linear's `weight_q`
+    has been served."""
 
     def __init__(self, inner: WeightSource, plan: dict[str, PlannedLinear],
-                 hessians: Optional[dict[str, torch.Tensor]] = None):
-        self.inner, self.plan, self.hessians = inner, plan, hessians or {}
-        self._factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # linear -> its GPTQ factor, made once
+                 factors: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None):
+        self.inner, self.plan, self.factors = inner, plan, dict(factors or {})
         schemes = sorted({p.spec.scheme for p in plan.values()})
-        how = f" ({len(self.hessians)} by GPTQ)" if self.hessians else ""
+        how = f" ({len(self.factors)} by GPTQ)" if self.factors else ""
         self.description = f"{inner.description}, linears quantized to {'/'.join(schemes)}{how}" if plan \
             else inner.description
         self._side: dict[str, dict[str, torch.Tensor]] = {}  # linear -> scale/zero computed, not yet served
@@ -133,6 +133,7 @@ class QuantizedWeights:
                 side.append(rest)
                 yield q.reshape(-1)
             self._keep_side(base, spec, side)
+            self.factors.pop(base, None)
         else:
             if base not in self._side:  # asked before the weight: quantize once more, keeping only the side
                 self._keep_side(base, spec, [rest for _, *rest in self._quantized(base, planned)])
@@ -150,9 +151,7 @@ class QuantizedWeights:
         spec, (n_out, n_in) = planned.spec, planned.shape
         for flat in self.inner.chunks(f"{base}.weight", (n_out, n_in), torch.float32):
             rows = flat.reshape(-1, n_in)
-            if base in self.hessians:
-                if base not in self._factors:
-                    self._factors[base] = gptq_factor(self.hessians[base])
-                yield gptq(rows, self._factors[base], spec.scheme, spec.group_size)
+            if base in self.factors:
+                yield gptq(rows, self.factors[base], spec.scheme, spec.group_size)
             else:
                 yield quantize_int8(rows) if spec.scheme == SCHEME_INT8 else quantize_int4(rows, spec.group_size)

@@ -111,7 +111,8 @@ def _fit_sums(q: torch.Tensor, groups: torch.Tensor, total: torch.Tensor) -> tup
 def gptq_factor(hessian: torch.Tensor, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """What `gptq` needs of E[x x^T] [K, K] of a linear's inputs, computed once per linear: the upper Cholesky
     factor of its inverse (row i: how column i's rounding error moves the columns after it), after `damp`
-    times the mean diagonal is added to the diagonal, and the columns no input reaches (rounded as zeros)."""
+    times the mean diagonal is added to the diagonal, and the columns no input reaches (their weights are
+    taken as 0: int8 stores 0, int4 the code nearest to it)."""
     h = hessian.to(torch.float64).clone()
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
@@ -126,7 +127,8 @@ def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str
     return it) by GPTQ: columns are rounded in order, and each column's rounding error is spread over the
     columns not yet rounded through `factor` (`gptq_factor` of E[x x^T] of the linear's inputs on calibration
     text), so that the layer's output error on such inputs, not the weights' own, is what gets small. Rows are
-    independent: any row chunk gives the rows of the whole. int4 groups take their scale and zero (the
+    independent: a row chunk gives the codes of the whole (the block updates' matrix products may round a
+    scale's last bits differently with another number of rows). int4 groups take their scale and zero (the
     least-squares fit of `quantize_int4`) from their columns' error-updated weights when the group's turn
     comes; int8 keeps each row's symmetric scale of the original weights."""
     hinv, dead = factor
@@ -138,7 +140,7 @@ def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str
     if scheme == SCHEME_INT8:
         scale8 = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     else:
-        scale4 = torch.empty((n, k // group_size))
+        scale4 = torch.empty((n, k // group_size), dtype=torch.float32)
         zero4 = torch.empty_like(scale4)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)

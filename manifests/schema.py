@@ -222,8 +222,6 @@ class WeightGroup:
                   "0 (round-to-nearest uses no calibration text)")
 
 
-
-
 @dataclass(frozen=True)
 class Provenance:
     tool_version: str

@@ -60,6 +60,7 @@ def _eager(checkpoint: Path, scheme: str, group_size: int, calibration: Path | N
     from mg.export.model import MuseGlimmer
     from mg.export.quantize import QuantizedWeights, quantize_linears
     from mg.export.weights import SafetensorsWeights, materialize
+    from mg.kernels.quant import gptq_factor
 
     cfg = load_config(checkpoint, MuseGlimmerConfig)
     model = MuseGlimmer(cfg).eval()
@@ -68,12 +69,14 @@ def _eager(checkpoint: Path, scheme: str, group_size: int, calibration: Path | N
         weights = scheme.removesuffix(GPTQ)
         plan = quantize_linears(model, weights, group_size if weights == "int4" else None, frozenset({"output"}),
                                 device="cpu")
-        hessians = None
-        if scheme.endswith(GPTQ):
-            windows = read_calibration(calibration, checkpoint / "tokenizer.json", cfg.bos_id, DEFAULT_TOKENS)
-            hessians = input_hessians(cfg, SafetensorsWeights(checkpoint), {n: p.shape[1] for n, p in plan.items()},
-                                      windows, lambda msg: print(f"  [eager {scheme}] {msg}", file=sys.stderr))
-        source = QuantizedWeights(source, plan, hessians)
+        factors = None
+        if scheme.endswith(GPTQ):  # as `mg-export --calibration` does
+            windows = read_calibration(calibration, checkpoint / "tokenizer.json", cfg.bos_id, cfg.vocab_size,
+                                       DEFAULT_TOKENS)
+            stats = input_hessians(cfg, source, {n: p.shape[1] for n, p in plan.items()}, windows,
+                                   lambda msg: print(f"  [eager {scheme}] {msg}", file=sys.stderr))
+            factors = {n: gptq_factor(h) for n, h in stats.items()}
+        source = QuantizedWeights(source, plan, factors)
     with torch.no_grad():
         materialize(source, model)
     source.close()

@@ -91,9 +91,9 @@ def test_ops_run_the_reference_unless_a_served_table_names_them():
 def test_gptq_rounds_where_the_outputs_on_its_inputs_change_least(scheme, group):
     """Against round-to-nearest (the same format): a smaller output error on correlated inputs whose E[x x^T]
     it was given; rows quantized in chunks are the rows of the whole; a column no input reaches gets 0."""
-    w = _weight(48, 128)
+    w = _weight(48, 320)  # int8 blocks of 128 columns: the update across blocks is exercised too
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(4096, 128, generator=gen) @ (torch.eye(128) + torch.randn(128, 128, generator=gen) / 8)
+    x = torch.randn(4096, 320, generator=gen) @ (torch.eye(320) + torch.randn(320, 320, generator=gen) / 8)
     x[:, 7] = 0
     factor = quant.gptq_factor(x.T @ x / x.shape[0])
 
@@ -112,7 +112,47 @@ def test_gptq_rounds_where_the_outputs_on_its_inputs_change_least(scheme, group)
     dead = dequantized(got)[:, 7]  # weight 0, as near as the format gets (int4's zero point is not exact)
     assert torch.all(dead == 0) if scheme == "int8" else torch.all(dead.abs() <= got[1][:, 0] / 2 + 1e-6)
     top, bottom = quant.gptq(w[:20], factor, scheme, group), quant.gptq(w[20:], factor, scheme, group)
-    assert all(torch.equal(torch.cat([a, b]), c) for a, b, c in zip(top, bottom, got))
+    assert torch.equal(torch.cat([top[0], bottom[0]]), got[0])  # the codes; scales to the last bits
+    for a, b, c in zip(top[1:], bottom[1:], got[1:]):
+        torch.testing.assert_close(torch.cat([a, b]), c, rtol=1e-5, atol=1e-7)
+    # against the paper's loop, unbatched and in float64: the codes, and int4 groups' scales taken from the
+    # error-updated columns when the group's turn comes
+    want = _gptq_reference(w, x.T @ x / x.shape[0], scheme, group)
+    assert (got[0] == want[0]).float().mean() >= 0.995
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b.float(), rtol=1e-3, atol=1e-5)
+
+
+def _gptq_reference(w, h, scheme, group):
+    """GPTQ column by column (no lazy blocks), float64 throughout."""
+    w, h = w.double().clone(), h.double().clone()
+    n, k = w.shape
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += 0.01 * torch.diagonal(h).mean() * torch.eye(k, dtype=torch.float64)
+    u = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
+    codes = torch.zeros(n, k, dtype=torch.long)
+    scales, zeros = [], []
+    s8 = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    for i in range(k):
+        if scheme == "int4" and i % group == 0:
+            _, s, z = quant.quantize_int4(w[:, i:i + group].float(), group)
+            s, z = s[:, 0].double(), z[:, 0].double()
+            scales.append(s)
+            zeros.append(z)
+        if scheme == "int8":
+            q = torch.round(w[:, i] / s8).clamp(-127, 127)
+            deq = q * s8
+        else:
+            q = torch.round((w[:, i] - z) / s).clamp(0, 15)
+            deq = q * s + z
+        codes[:, i] = q.long()
+        e = (w[:, i] - deq) / u[i, i]
+        w[:, i:] -= e[:, None] * u[i, i:][None, :]
+    if scheme == "int8":
+        return codes.to(torch.int8), s8
+    return quant.pack_int4(codes.to(torch.uint8)), torch.stack(scales, 1), torch.stack(zeros, 1)
 
 
 # ------------------------------------------------------------------ export and runtime
@@ -294,13 +334,14 @@ def test_a_calibrated_export_records_gptq_and_runs_its_eager_model(tmp_path):
         (C.GROUP_TARGET_LINEARS, C.FIT_GPTQ, 512), (C.GROUP_DRAFT_LINEARS, C.FIT_ROUND, 0)]
     assert m.weights_label.startswith("int4-g32-gptq linears, int4-g32 drafter")
 
-    windows = read_calibration(text, None, CFG.bos_id, 512)
+    windows = read_calibration(text, None, CFG.bos_id, CFG.vocab_size, 512)
     assert len(windows) == 2 and all(len(w) == 256 and w[0] == CFG.bos_id for w in windows)
     model = init_random(MuseGlimmer(CFG), 0).eval()
     plan = quantize_linears(model, "int4", 32, frozenset({"output"}), device="cpu")
-    hessians = input_hessians(CFG, RandomWeights(0), {n: p.shape[1] for n, p in plan.items()}, windows,
-                              lambda msg: None)
-    materialize(QuantizedWeights(RandomWeights(0), plan, hessians), model)
+    stats = input_hessians(CFG, RandomWeights(0), {n: p.shape[1] for n, p in plan.items()}, windows,
+                           lambda msg: None)
+    factors = {n: quant.gptq_factor(h) for n, h in stats.items()}
+    materialize(QuantizedWeights(RandomWeights(0), plan, factors), model)
     table = {**{op: None for op in CUSTOM_OPS}, ATTEND: ReferenceKV(CFG), "mg::linear_int4": quant.linear_int4_ref}
     prog = Program.load(tmp_path / "out" / C.PROGRAM_FILE, data_path=tmp_path / "out" / C.WEIGHTS_FILE,
                         custom_ops=table)
@@ -309,6 +350,33 @@ def test_a_calibrated_export_records_gptq_and_runs_its_eager_model(tmp_path):
     assert (got - want).abs().max() <= 1e-5
     rounded, _ = _eager("int4", 32, False)(*_prompt(), ReferenceKV(CFG))
     assert (got - rounded).abs().max() > 1e-3
+
+
+def test_input_statistics_are_the_mean_outer_products_of_every_position(tmp_path):
+    """`input_hessians`: per linear, E[x x^T] over every position of every window (the head's too)."""
+    from mg.export.calibrate import input_hessians
+    from mg.export.reference import dense_attend
+
+    windows = [[1] + list(range(5, 40)), [1] + list(range(60, 95))]
+    model = init_random(MuseGlimmer(CFG), 0).eval()
+    names = {"layers.1.ffn.down_proj": CFG.ffn_dim, "output": CFG.dim}
+    got = input_hessians(CFG, RandomWeights(0), names, windows, lambda msg: None)
+    seen = {n: [] for n in names}
+    modules = dict(model.named_modules())
+    hooks = [modules[n].register_forward_hook(lambda m, i, o, n=n: seen[n].append(i[0].reshape(-1, i[0].shape[-1])))
+             for n in names]
+    with torch.no_grad():
+        for ids in windows:
+            n = len(ids)
+            model(torch.tensor(ids), torch.arange(n), torch.zeros(n, dtype=torch.long), torch.arange(n),
+                  dense_attend(CFG))
+    for h in hooks:
+        h.remove()
+    for n in names:
+        x = torch.cat(seen[n]).double()
+        assert x.shape[0] == 72
+        want = x.T @ x / 72
+        torch.testing.assert_close(got[n], want, rtol=1e-4, atol=1e-6 * want.abs().max().item())
 
 
 def test_bad_calibration_is_refused_in_one_line_writing_nothing(tmp_path):
@@ -325,6 +393,7 @@ def test_bad_calibration_is_refused_in_one_line_writing_nothing(tmp_path):
         (["--weights", "int8", "--calibration", str(short)], "allowed: a text of at least 255 tokens"),
         (["--weights", "int8", "--calibration", str(text), "--calibration-tokens", "100"],
          "--calibration-tokens is 100; allowed: an integer >= 256"),
+        (["--weights", "int8", "--calibration-tokens", "1024"], "--calibration-tokens applies with --calibration only"),
     ]
     for args, message in cases:
         res = _export(tmp_path / "out", *args)
@@ -333,6 +402,32 @@ def test_bad_calibration_is_refused_in_one_line_writing_nothing(tmp_path):
         assert last.startswith("mg-export: error: ") and message in last, (args, res.output)
         assert not (tmp_path / "out").exists()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.txt", "latin.txt", "short.txt"]
+
+
+def test_calibration_needs_the_checkpoints_tokenizer(tmp_path, tiny_cfg, tiny_model):
+    from mg.export.checkpoint import save_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, tiny_cfg, tiny_model)
+    assert not (ckpt / "tokenizer.json").exists()
+    res = CliRunner().invoke(export_main, ["--checkpoint", str(ckpt), "--weights", "int8", "--calibration",
+                                           str(_calibration_text(tmp_path / "c.txt")), "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and not (tmp_path / "o").exists()
+    assert res.output.strip().splitlines()[-1].startswith(
+        "mg-export: error: --calibration needs the checkpoint's tokenizer.json"), res.output
+
+
+def test_calibration_that_would_not_fit_in_memory_is_refused_in_one_line(tmp_path, monkeypatch):
+    from mg.export import calibrate
+
+    monkeypatch.setattr(calibrate, "_available_bytes", lambda: 1000)
+    res = _export(tmp_path / "out", "--weights", "int8", "--calibration",
+                  str(_calibration_text(tmp_path / "calibration.txt")))
+    assert res.exit_code == 2
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith("mg-export: error: --calibration needs the float target and its inputs' statistics in "
+                           "host memory: ") and "GB, 0.0 GB available" in last, res.output
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
