@@ -25,11 +25,10 @@ from mg.manifests import (
     constants as C, write_manifest,
 )
 
-from mg.kernels.quant import gptq_factor
 from mg.manifests.values import file_entry, write_stamp
 
 from .calibrate import (DEFAULT_TOKENS as DEFAULT_CALIBRATION_TOKENS, WINDOW as CALIBRATION_WINDOW, CalibrationError,
-                        check_memory, input_hessians, read_calibration)
+                        check_memory, input_factors, read_calibration)
 from .checkpoint import expected_shapes, load_config
 from .config import PRESETS, ConfigError, MuseGlimmerConfig
 from .draft_lower import DraftSource, draft_constants, draft_facts, draft_kv_spec, draft_methods, export_draft
@@ -276,20 +275,12 @@ def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict]
         windows = read_calibration(opts.calibration, target.tokenizer, target.cfg.bos_id, target.cfg.vocab_size,
                                    opts.calibration_tokens or DEFAULT_CALIBRATION_TOKENS)
         check_memory(target.cfg, names.values())
+        tokens = sum(map(len, windows))
+        progress(f"calibration: {len(windows)} windows, {tokens} tokens of {opts.calibration}; the float target in "
+                 f"host memory collects its {len(names)} quantized linears' inputs for GPTQ")
+        return input_factors(target.cfg, target.weights, names, windows, progress), tokens
     except CalibrationError as e:
         raise ExportError(str(e)) from None
-    tokens = sum(map(len, windows))
-    progress(f"calibration: {len(windows)} windows, {tokens} tokens of {opts.calibration}; the float target in "
-             f"host memory collects its {len(names)} quantized linears' inputs for GPTQ")
-    hessians = input_hessians(target.cfg, target.weights, names, windows, progress)
-    factors = {}
-    for name in names:
-        try:
-            factors[name] = gptq_factor(hessians.pop(name))
-        except torch.linalg.LinAlgError:
-            raise ExportError(f"--calibration: the inputs' statistics of {name} are not positive definite (non-"
-                              f"finite activations on the text?); allowed: text the float model runs on") from None
-    return factors, tokens
 
 
 def _quantize(opts: ExportOptions, model: MuseGlimmer, draft_model: Optional[DFlashDraft], group_size: Optional[int],

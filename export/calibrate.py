@@ -4,7 +4,8 @@
 `window` tokens (each starting with BOS when the model has one), up to `tokens` tokens in all.
 `input_hessians(cfg, weights, names, windows, progress)` builds the float target in host memory from its weight
 source, runs it over the windows and returns, per linear in `names`, E[x x^T] of its inputs ([K, K] float64),
-which `mg.kernels.quant.gptq` uses to round the weights where the outputs on such text change least. The drafter
+which `mg.kernels.quant.gptq` uses (through `input_factors`: its factor per linear) to round the weights where
+the outputs on such text change least. The drafter
 is not calibrated (its inputs need the target's hidden states; it keeps round-to-nearest). Knows nothing about
 ExecuTorch or the runtime.
 """
@@ -61,12 +62,13 @@ def read_calibration(path: Path, tokenizer: Optional[Path], bos_id: Optional[int
     per = window - len(head)
     ids = tok.encode(text[:64 * tokens], add_special_tokens=False).ids  # far more characters than needed
     windows = [head + ids[i:i + per] for i in range(0, len(ids) - per + 1, per)][:tokens // window]
-    if windows and max(max(w) for w in windows) >= vocab_size:
-        raise CalibrationError(f"--calibration: the tokenizer gives id {max(max(w) for w in windows)}, the model's "
-                               f"vocabulary has {vocab_size}; allowed: the checkpoint's own tokenizer.json")
     if not windows:
         raise CalibrationError(f"--calibration {path}: {len(ids)} tokens; allowed: a text of at least {per} "
                                f"tokens (one window of {window})")
+    top = max(max(w) for w in windows)
+    if top >= vocab_size:
+        raise CalibrationError(f"--calibration: the tokenizer gives id {top}, the model's vocabulary has "
+                               f"{vocab_size}; allowed: the checkpoint's own tokenizer.json")
     return windows
 
 
@@ -117,6 +119,24 @@ def input_hessians(cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[st
         for h in handles:
             h.remove()
     return {n: sums[n] / max(rows[n], 1) for n in names}
+
+
+def input_factors(cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[str, int],
+                  windows: list[list[int]], progress: Callable[[str], None]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """{linear name: `mg.kernels.quant.gptq_factor` of its inputs' statistics} (`input_hessians`), each statistic
+    freed once factored; a statistic that cannot be factored is refused in one line."""
+    from mg.kernels.quant import gptq_factor
+
+    hessians = input_hessians(cfg, weights, names, windows, progress)
+    factors = {}
+    for name in names:
+        try:
+            factors[name] = gptq_factor(hessians.pop(name))
+        except torch.linalg.LinAlgError:
+            raise CalibrationError(f"--calibration: the inputs' statistics of {name} are not positive definite "
+                                   f"(non-finite activations on the text?); allowed: text the float model runs "
+                                   f"on") from None
+    return factors
 
 
 def _available_bytes() -> Optional[int]:

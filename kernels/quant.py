@@ -50,9 +50,14 @@ ops._lib.define(f"{LINEAR_INT4}.out({_INT4_ARGS}, *, Tensor(a!) out) -> Tensor(a
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of a float weight [n, K] -> (int8 [n, K], scale [n] float32)."""
     w = w.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    scale = _int8_scale(w)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+def _int8_scale(w: torch.Tensor) -> torch.Tensor:
+    """Each row's symmetric int8 scale: max |w| / 127."""
+    return w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
 
 
 # Shrink factors of a group's [min, max] tried by `quantize_int4` (1.0 first: plain min-max)
@@ -138,7 +143,7 @@ def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str
     block = group_size if scheme == SCHEME_INT4 else 128
     codes = torch.empty((n, k), dtype=torch.int8 if scheme == SCHEME_INT8 else torch.uint8)
     if scheme == SCHEME_INT8:
-        scale8 = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        scale8 = _int8_scale(w)
     else:
         scale4 = torch.empty((n, k // group_size), dtype=torch.float32)
         zero4 = torch.empty_like(scale4)

@@ -22,6 +22,7 @@ Prints a Markdown table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -54,13 +55,11 @@ def _eager(checkpoint: Path, scheme: str, group_size: int, calibration: Path | N
     """The float target from `checkpoint`, its linears (not the head) quantized as the export does."""
     import torch
 
-    from mg.export.calibrate import DEFAULT_TOKENS, input_hessians, read_calibration
     from mg.export.checkpoint import load_config
     from mg.export.config import MuseGlimmerConfig
     from mg.export.model import MuseGlimmer
     from mg.export.quantize import QuantizedWeights, quantize_linears
     from mg.export.weights import SafetensorsWeights, materialize
-    from mg.kernels.quant import gptq_factor
 
     cfg = load_config(checkpoint, MuseGlimmerConfig)
     model = MuseGlimmer(cfg).eval()
@@ -70,17 +69,32 @@ def _eager(checkpoint: Path, scheme: str, group_size: int, calibration: Path | N
         plan = quantize_linears(model, weights, group_size if weights == "int4" else None, frozenset({"output"}),
                                 device="cpu")
         factors = None
-        if scheme.endswith(GPTQ):  # as `mg-export --calibration` does
-            windows = read_calibration(calibration, checkpoint / "tokenizer.json", cfg.bos_id, cfg.vocab_size,
-                                       DEFAULT_TOKENS)
-            stats = input_hessians(cfg, source, {n: p.shape[1] for n, p in plan.items()}, windows,
-                                   lambda msg: print(f"  [eager {scheme}] {msg}", file=sys.stderr))
-            factors = {n: gptq_factor(h) for n, h in stats.items()}
+        if scheme.endswith(GPTQ):  # as `mg-export --calibration` does; the same for int8 and int4
+            factors = _eager_factors(checkpoint, calibration, tuple((n, p.shape[1]) for n, p in plan.items()))
         source = QuantizedWeights(source, plan, factors)
     with torch.no_grad():
         materialize(source, model)
     source.close()
     return model
+
+
+@functools.cache
+def _eager_factors(checkpoint: Path, calibration: Path, names: tuple[tuple[str, int], ...]) -> dict:
+    """GPTQ's factors of the float target's linears `names` on `calibration`, computed once per run."""
+    from mg.export.calibrate import DEFAULT_TOKENS, input_factors, read_calibration
+    from mg.export.checkpoint import load_config
+    from mg.export.config import MuseGlimmerConfig
+    from mg.export.weights import SafetensorsWeights
+
+    cfg = load_config(checkpoint, MuseGlimmerConfig)
+    windows = read_calibration(calibration, checkpoint / "tokenizer.json", cfg.bos_id, cfg.vocab_size,
+                               DEFAULT_TOKENS)
+    source = SafetensorsWeights(checkpoint)
+    try:
+        return input_factors(cfg, source, dict(names), windows,
+                             lambda msg: print(f"  [eager] {msg}", file=sys.stderr))
+    finally:
+        source.close()
 
 
 def _stdlib_calibration(path: Path, prompt_files: set[str]) -> Path:
