@@ -3,7 +3,9 @@
 `linear_int8_triton(x, weight_q, scale)` and `linear_int4_triton(x, weight_q, scale, zero, group_size)` have
 the signatures of `linear_int8_ref` / `linear_int4_ref` in `quant.py` and their results up to rounding (int8
 applies its scales to exact fp32 sums of x * q where the reference rounds the dequantized weight to x's dtype
-first; int4 dequantizes as the reference does) but never materialise the float weight: each
+first; int4 dequantizes as the reference does, or on CUDA with bf16 / fp16 activations two elements per
+instruction with q * scale + zero rounded once, where the reference rounds it to fp32 first) but never
+materialise the float weight: each
 quantized byte is read once per tile of up to `MAX_BLOCK_M` rows, which at decode means the weight crosses
 the memory bus once, in its stored size. The kernel lives in `triton_quant_jit.py`.
 
@@ -14,6 +16,7 @@ and CUDA or the interpreter) and use the references otherwise.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -98,15 +101,32 @@ def _launch(x, weight_q, scale, zero, group_size):
     part = out if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (-(-m // plan.block_m), -(-n // plan.block_n), plan.split_k)
     upcast = _INTERPRETING and x.dtype != torch.float32
+    asm = _packed_dequant(x) if group_size is not None else ""
     _jit._linear_wq_kernel[grid](
-        rows, weight_q, scale, zero, part, m, n, k, scale.shape[-1] if group_size else 1, rows.stride(0),
-        n, m * n, K_PER_SPLIT=plan.k_per_split, GROUP_SIZE=group_size or 1, IS_INT4=group_size is not None,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        rows, weight_q, scale, zero, part, m, n, k, weight_q.shape[1], scale.shape[-1] if group_size else 1,
+        rows.stride(0), n, m * n, K_PER_SPLIT=plan.k_per_split, GROUP_SIZE=group_size or 1,
+        IS_INT4=group_size is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        PACKED=bool(asm), ASM=asm, num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.split_k > 1:
         out.copy_(part.sum(dim=0))
     return out.reshape(*x.shape[:-1], n)
+
+
+def _packed_dequant(x: torch.Tensor) -> str:
+    """The inline PTX that dequantizes int4 two elements per instruction for x's dtype (`triton_quant_jit`), or ""
+    where the kernel dequantizes in fp32 instead: fp32 activations, the interpreter, a GPU before sm_80 (no
+    paired bf16 multiply-add)."""
+    if _INTERPRETING or x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        return ""
+    if _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) < (8, 0):
+        return ""
+    return _jit.DEQUANT_ASM[str(x.dtype).removeprefix("torch.")]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _check(x, weight_q, scale, zero, qdtype, k):

@@ -7,7 +7,7 @@ Skips cleanly when triton is not importable.
 import pytest
 import torch
 
-from triton_setup import DEVICE, cuda_only, module_marks  # first: sets TRITON_INTERPRET
+from triton_setup import DEVICE, ON_CUDA, cuda_only, module_marks  # first: sets TRITON_INTERPRET
 
 pytest.importorskip("triton")
 
@@ -39,7 +39,7 @@ SMALL = [(1, 96, 256, 32), (5, 64, 384, 128), (17, 40, 256, 64), (3, 200, 1024, 
          (4, 33, 512, 64), (2, 130, 768, 256)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,n,k,group", SMALL)
 def test_quantized_linears_match_the_references(m, n, k, group, dtype):
     int8, int4 = _weights(n, k, group, dtype, seed=m * 1000 + n)
@@ -61,7 +61,31 @@ def test_split_k_and_leading_dimensions():
     _close(tq.linear_int8_triton(x, *int8), quant.linear_int8_ref(x, *int8))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_dequantizes_every_element_as_documented(dtype, group):
+    """One-hot rows of x read the dequantized weight back exactly (each output is one product with 1.0, summed
+    with exact zeros). The packed bf16 / fp16 path on CUDA rounds q * scale + zero once to x's dtype; the fp32
+    path computes it in fp32 as the reference does (q * scale rounded, then + zero rounded), which CUDA's compiler
+    may fuse into one multiply-add (one rounding: with bf16 / fp16 scales the product is exact and both agree).
+    Checks every nibble's place (low, high; bytes of a 32-bit word) and both groups' scales."""
+    n, k = 72, 256
+    _, (q4, s4, z4, _) = _weights(n, k, group, dtype, seed=11)
+    eye = torch.eye(k, dtype=dtype, device=DEVICE)
+    got = tq.linear_int4_triton(eye, q4, s4, z4, group).T  # [n, k]: the dequantized weight as the kernel made it
+    q = quant.unpack_int4(q4).double().reshape(n, k // group, group)
+    once = (q * s4.double()[..., None] + z4.double()[..., None]).reshape(n, k).to(dtype)  # rounded once
+    ref = quant.dequantize_int4(q4, s4, z4, group, dtype)
+    if tq._packed_dequant(eye):
+        assert torch.equal(got, once)
+    elif ON_CUDA or dtype == torch.float32:  # each element one of the two roundings
+        assert bool(((got == ref) | (got == once)).all())
+        assert dtype == torch.float32 or torch.equal(once, ref)
+    else:  # the interpreter's float-to-bf16/fp16 conversion truncates: within one unit in the last place
+        torch.testing.assert_close(got, ref, rtol=2.0 ** -(7 if dtype == torch.bfloat16 else 10), atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_row_gets_the_same_result_alone_and_in_a_batch(dtype):
     """The split and the order of a row's sums depend on the weight's shape only: up to 16 rows (one tile
     shape) a row's result is the same bits alone or batched (greedy tokens of one sequence should not depend
@@ -102,7 +126,7 @@ def test_the_cuda_kernel_table_serves_long_calls_with_the_reference():
 @pytest.mark.parametrize("m", [1, 8, 16, 100])
 def test_real_width_shapes(m):
     """An MG-30B-wide projection (6656 -> 19968 is too large for a test; 6656 -> 2048 keeps the shape class)."""
-    for dtype in (torch.bfloat16,):
+    for dtype in (torch.bfloat16, torch.float16):
         int8, int4 = _weights(2048, 6656, 128, dtype, seed=m)
         x = torch.randn(m, 6656, device=DEVICE).to(dtype)
         _close(tq.linear_int8_triton(x, *int8), quant.linear_int8_ref(x, *int8))
