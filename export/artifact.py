@@ -28,7 +28,7 @@ from mg.manifests import (
 from mg.manifests.values import file_entry, write_stamp
 
 from .calibrate import (DEFAULT_TOKENS as DEFAULT_CALIBRATION_TOKENS, WINDOW as CALIBRATION_WINDOW, CalibrationError,
-                        check_memory, input_factors, read_calibration)
+                        InputFactors, check_memory, read_calibration)
 from .checkpoint import expected_shapes, load_config
 from .config import PRESETS, ConfigError, MuseGlimmerConfig
 from .draft_lower import DraftSource, draft_constants, draft_facts, draft_kv_spec, draft_methods, export_draft
@@ -65,6 +65,7 @@ class ExportOptions:
     quantize_head: bool = False  # the LM head too (it stays in `dtype` otherwise)
     calibration: Optional[Path] = None  # a UTF-8 text file: the target's quantized linears by GPTQ on it
     calibration_tokens: Optional[int] = None  # at most this many tokens of it [default: 65536]
+    calibration_device: Optional[str] = None  # where the calibration pass runs: cpu | cuda [default: cpu]
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,13 @@ def check_options(opts: ExportOptions) -> None:
         raise ExportError("--quantize-head needs --weights int8 or int4")
     if opts.calibration is not None and opts.weights == C.WEIGHTS_FLOAT:
         raise ExportError("--calibration needs --weights int8 or int4 (it chooses how their weights are rounded)")
+    if opts.calibration_device is not None:
+        if opts.calibration is None:
+            raise ExportError("--calibration-device applies with --calibration only")
+        if opts.calibration_device not in ("cpu", "cuda"):
+            raise ExportError(f"--calibration-device is {opts.calibration_device!r}; allowed: cpu | cuda")
+        if opts.calibration_device == "cuda" and not torch.cuda.is_available():
+            raise ExportError("--calibration-device cuda, but torch sees no CUDA device here; allowed: cpu")
     if opts.calibration_tokens is not None:
         if opts.calibration is None:
             raise ExportError("--calibration-tokens applies with --calibration only")
@@ -264,7 +272,9 @@ def _weight_groups(plans: dict[str, dict], scheme: str, group_size: Optional[int
 def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict],
                progress: Progress) -> tuple[dict, int]:
     """With --calibration: GPTQ's factor of each of the target's quantized linears from its inputs' statistics
-    on the text (the float target built in host memory) -> ({linear name: factor}, tokens used); else ({}, 0)."""
+    on the text -> (`InputFactors`, tokens used), else ({}, 0). The text is read and the memory checked now;
+    the factors are made a layer at a time while model.ptd is written (the float target runs layer by layer
+    over the text, one layer's weights in memory)."""
     if opts.calibration is None:
         return {}, 0
     if target.tokenizer is None and not target.byte_tokenizer:
@@ -274,11 +284,13 @@ def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict]
     try:
         windows = read_calibration(opts.calibration, target.tokenizer, target.cfg.bos_id, target.cfg.vocab_size,
                                    opts.calibration_tokens or DEFAULT_CALIBRATION_TOKENS)
-        check_memory(target.cfg, names.values())
         tokens = sum(map(len, windows))
-        progress(f"calibration: {len(windows)} windows, {tokens} tokens of {opts.calibration}; the float target in "
-                 f"host memory collects its {len(names)} quantized linears' inputs for GPTQ")
-        return input_factors(target.cfg, target.weights, names, windows, progress), tokens
+        device = opts.calibration_device or "cpu"
+        check_memory(target.cfg, names, tokens, device)
+        progress(f"calibration: {len(windows)} windows, {tokens} tokens of {opts.calibration}; the float target "
+                 f"runs over them layer by layer on the {device.upper()} while the weights are written, "
+                 f"collecting its {len(names)} quantized linears' inputs for GPTQ")
+        return InputFactors(target.cfg, target.weights, names, windows, progress, device), tokens
     except CalibrationError as e:
         raise ExportError(str(e)) from None
 
@@ -361,7 +373,10 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
         total = sum(t.nbytes for t in tensors)
         progress(f"writing {C.WEIGHTS_FILE}: {len(tensors)} tensors, {total / 1e9:.2f} GB")
         t_write = time.perf_counter()
-        size, sha = write_ptd(tmp / C.WEIGHTS_FILE, tensors, progress)
+        try:
+            size, sha = write_ptd(tmp / C.WEIGHTS_FILE, tensors, progress)
+        except CalibrationError as e:  # a layer's statistics, made while its weights are written
+            raise ExportError(str(e)) from None
         seconds = time.perf_counter() - t_write
         progress(f"wrote {C.WEIGHTS_FILE}: {size / 1e9:.2f} GB in {seconds:.1f}s "
                  f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s)")

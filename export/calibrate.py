@@ -2,20 +2,23 @@
 
 `read_calibration(path, tokenizer, bos_id, vocab_size, tokens, window)` tokenizes a UTF-8 text file into windows of
 `window` tokens (each starting with BOS when the model has one), up to `tokens` tokens in all.
-`input_hessians(cfg, weights, names, windows, progress)` builds the float target in host memory from its weight
-source, runs it over the windows and returns, per linear in `names`, E[x x^T] of its inputs ([K, K] float64),
-which `mg.kernels.quant.gptq` uses (through `input_factors`: its factor per linear) to round the weights where
-the outputs on such text change least. The drafter
-is not calibrated (its inputs need the target's hidden states; it keeps round-to-nearest). Knows nothing about
-ExecuTorch or the runtime.
+`InputStatistics` runs the float target over the windows layer by layer (one layer's weights in memory, read
+from the weight source when its turn comes, and the residual stream of every calibration token) and gives, per
+linear in `names`, E[x x^T] of its inputs ([K, K] float64); `InputFactors` turns a layer's statistics into the
+factors `mg.kernels.quant.gptq` rounds the weights with (where the outputs on such text change least) when the
+export first asks for one of that layer's linears, so an export holds one layer's statistics at a time.
+`input_hessians` / `input_factors` give them all at once (tests, small models). The drafter is not calibrated
+(its inputs need the target's hidden states; it keeps round-to-nearest). Knows nothing about ExecuTorch or the
+runtime.
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -72,71 +75,228 @@ def read_calibration(path: Path, tokenizer: Optional[Path], bos_id: Optional[int
     return windows
 
 
-def check_memory(cfg: MuseGlimmerConfig, in_features: Iterable[int]) -> None:
-    """Refuse when the float target and the inputs' statistics would not fit in the host's available memory."""
-    need = 4 * cfg.n_params() + sum(8 * k * k for k in in_features)
-    available = _available_bytes()
+def check_memory(cfg: MuseGlimmerConfig, names: dict[str, int], tokens: int, device: str = "cpu") -> None:
+    """Refuse when the layer-by-layer pass would not fit in the memory it runs in (the host's, or the CUDA
+    device's free memory): the residual stream of every calibration token (twice: a layer's input and output),
+    one layer's float32 weights, the largest layer's statistics (float64) and factors (float32) of its
+    calibrated linears, and the factorization's working set of the widest (three [K, K] float64 matrices)."""
+    per_layer: dict[str, int] = {}
+    for name, k in names.items():
+        layer = name.split(".")[1] if name.startswith("layers.") else name
+        per_layer[layer] = per_layer.get(layer, 0) + 12 * k * k
+    widest = max(names.values(), default=0)
+    layer_weights = 4 * (cfg.qkvg_rows * cfg.dim + cfg.n_heads * cfg.head_dim * cfg.dim + 3 * cfg.ffn_dim * cfg.dim)
+    need = 2 * 4 * tokens * cfg.dim + layer_weights + max(per_layer.values(), default=0) + 24 * widest * widest
+    if device == "cuda":
+        available, where = torch.cuda.mem_get_info()[0], "CUDA device memory"
+    else:
+        available, where = _available_bytes(), "host memory"
     if available is not None and need > 0.8 * available:
-        raise CalibrationError(f"--calibration needs the float target and its inputs' statistics in host memory: "
-                               f"{need / 1e9:.1f} GB, {available / 1e9:.1f} GB available; allowed: a model "
-                               f"that fits (or no --calibration: round-to-nearest needs no model in memory)")
+        raise CalibrationError(f"--calibration needs the residual stream of its tokens, one float layer and that "
+                               f"layer's input statistics in {where}: {need / 1e9:.1f} GB, "
+                               f"{available / 1e9:.1f} GB available; allowed: fewer --calibration-tokens (or no "
+                               f"--calibration: round-to-nearest needs no model in memory)")
+
+
+class _Prefixed:
+    """The tensors of `source` under `prefix` (`layers.3.`), by their names inside that module."""
+
+    def __init__(self, source: WeightSource, prefix: str):
+        self.source, self.prefix = source, prefix
+
+    def chunks(self, name: str, shape: tuple[int, ...], dtype: torch.dtype):
+        return self.source.chunks(self.prefix + name, shape, dtype)
+
+
+def _float_module(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """`build()` with float32 parameters left uninitialised (to be filled by `materialize`: no init work on a
+    real-width layer) and its computed buffers (RoPE frequencies) real."""
+    from .lower import meta_parameters
+
+    with meta_parameters():
+        module = build()
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32),
+                                                         requires_grad=False)
+    return module.eval()
+
+
+def _layer_of(name: str, n_layers: int) -> int:
+    """The layer whose pass gives `name`'s inputs: i for `layers.i.*`, n_layers for the head (`output`)."""
+    if name.startswith("layers."):
+        return int(name.split(".")[1])
+    if name == "output":
+        return n_layers
+    raise ValueError(f"not a calibrated linear of the target: {name}")
+
+
+@contextlib.contextmanager
+def _full_precision():
+    """float32 matrix products in full precision on CUDA (no TF32) for the statistics, whatever the process set."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+class InputStatistics:
+    """E[x x^T] ([K, K] float64) of the inputs of the target's linears `names` ({name: in features}) on the
+    calibration windows, computed layer by layer in float32 (full-precision matrix products) on `device` (the
+    CPU, or CUDA: the same operations, other rounding): the residual stream of every window
+    is kept ([windows, window, dim]); a layer's float weights are read from the weight source when its turn
+    comes and dropped after, and only the linears of the layer being run gather statistics. The same numbers
+    as the whole float model run window by window (the same operations in the same order), in the memory of
+    one layer. `layer(i)` runs the pass up to layer i (i = n_layers: the head's inputs, the final norm of every
+    position) and returns the statistics of that layer's linears in `names`; asking for a layer already
+    passed starts the pass again from the embeddings."""
+
+    def __init__(self, cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[str, int],
+                 windows: list[list[int]], progress: Callable[[str], None], device: str = "cpu"):
+        self.cfg, self.weights, self.names, self.progress = cfg, weights, dict(names), progress
+        self.device = torch.device(device)
+        self.tokens = torch.tensor(windows, dtype=torch.long)  # [W, T]
+        self._x: Optional[torch.Tensor] = None  # the residual stream entering layer self._next
+        self._next = 0
+        self._t0 = time.perf_counter()
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        if i < self._next or self._x is None:
+            if self._x is not None:
+                self.progress(f"calibration: layer {i} asked after layer {self._next - 1}: running the pass again")
+            self._x, self._next = self._embed(), 0
+        while self._next < i:
+            self._run(self._next, {})
+        return self._run(i, {n: k for n, k in self.names.items() if _layer_of(n, self.cfg.n_layers) == i})
+
+    def _embed(self) -> torch.Tensor:
+        """The first layer's input: the embedding rows of the windows' tokens (read chunk by chunk, only the rows
+        used kept), RMS-normalised as `MuseGlimmer.embed` does."""
+        from .model import rms_norm_noweight
+
+        cfg, flat = self.cfg, self.tokens.reshape(-1)
+        x = torch.empty(flat.numel(), cfg.dim, dtype=torch.float32)
+        at = 0
+        for chunk in self.weights.chunks("tok_embeddings.weight", (cfg.vocab_size, cfg.dim), torch.float32):
+            rows = chunk.reshape(-1, cfg.dim)
+            hit = (flat >= at) & (flat < at + rows.shape[0])
+            x[hit] = rows[flat[hit] - at]
+            at += rows.shape[0]
+        return rms_norm_noweight(x.to(self.device), cfg.norm_eps).reshape(*self.tokens.shape, cfg.dim)
+
+    def _run(self, i: int, names: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Layer i over every window (the stream advances to layer i + 1), gathering the statistics of `names`;
+        i = n_layers: the head's inputs only."""
+        from .model import Block, RMSNorm, rope_tables
+        from .reference import dense_attend
+
+        cfg, device = self.cfg, self.device
+        sums = {n: torch.zeros(k, k, dtype=torch.float64, device=device) for n, k in names.items()}
+        rows = dict.fromkeys(names, 0)
+
+        def gather(name: str, x: torch.Tensor) -> None:
+            x = x.reshape(-1, x.shape[-1]).float()
+            sums[name] += (x.T @ x).double()
+            rows[name] += x.shape[0]
+
+        with torch.no_grad(), _full_precision():
+            if i == cfg.n_layers:  # the head: its inputs are the final norm of every position
+                if names:
+                    norm = materialize(_Prefixed(self.weights, "norm."),
+                                       _float_module(lambda: RMSNorm(cfg.dim, cfg.norm_eps))).to(device)
+                    for x in self._x:
+                        gather("output", norm(x))
+                self._next = i + 1
+                return {n: sums[n] / max(rows[n], 1) for n in names}
+            block = materialize(_Prefixed(self.weights, f"layers.{i}."), _float_module(lambda: Block(cfg, i))).to(device)
+            modules = dict(block.named_modules())
+            prefix = f"layers.{i}."
+            handles = [modules[n[len(prefix):]].register_forward_hook(lambda _m, inputs, _o, n=n: gather(n, inputs[0]))
+                       for n in names]
+            t = self.tokens.shape[1]
+            positions, slots = torch.arange(t, device=device), torch.zeros(t, dtype=torch.long, device=device)
+            rope = rope_tables(positions, block.attn.inv_freq) if block.attn.use_rope else None
+            attend = dense_attend(cfg)  # one window at a time, whole: no cache
+            try:
+                for w in range(self._x.shape[0]):
+                    self._x[w] = block(self._x[w], positions, slots, attend, rope)
+            finally:
+                for h in handles:
+                    h.remove()
+        self._next = i + 1
+        self.progress(f"calibration: layer {i + 1}/{cfg.n_layers} over {self._x.shape[0]} windows "
+                      f"({time.perf_counter() - self._t0:.0f}s)")
+        return {n: sums[n] / max(rows[n], 1) for n in names}
 
 
 def input_hessians(cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[str, int],
-                   windows: list[list[int]], progress: Callable[[str], None]) -> dict[str, torch.Tensor]:
-    """{linear name: E[x x^T] of its inputs over `windows`} for the target's linears in `names` ({name: in
-    features}), from the float target run in float32 on the CPU."""
-    from .model import MuseGlimmer
-    from .reference import dense_attend
+                   windows: list[list[int]], progress: Callable[[str], None],
+                   device: str = "cpu") -> dict[str, torch.Tensor]:
+    """{linear name: E[x x^T] of its inputs over `windows`} for every linear in `names`, by one layer-by-layer
+    pass (`InputStatistics`), all held at once (tests, small models)."""
+    stats = InputStatistics(cfg, weights, names, windows, progress, device)
+    layers = sorted({_layer_of(n, cfg.n_layers) for n in names})
+    return {n: h.cpu() for i in layers for n, h in stats.layer(i).items()}
 
-    model = MuseGlimmer(cfg).float().eval()  # built whole (its buffers are computed), then filled
-    materialize(weights, model)
-    attend = dense_attend(cfg)  # one window at a time, whole: no cache
-    sums = {n: torch.zeros(k, k, dtype=torch.float64) for n, k in names.items()}
-    rows = dict.fromkeys(names, 0)
 
-    def hook(name):
-        def run(_module, inputs, _output):
-            x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
-            sums[name] += (x.T @ x).double()
-            rows[name] += x.shape[0]
-        return run
+def _factor(name: str, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from mg.kernels.quant import gptq_factor
 
-    modules = dict(model.named_modules())
-    handles = [modules[n].register_forward_hook(hook(n)) for n in names]
-    all_rows = "output" in names  # the head's inputs are every position's, not only the last
-    t0 = last = time.perf_counter()
     try:
-        with torch.no_grad():
-            for i, ids in enumerate(windows):
-                t = torch.tensor(ids)
-                logit_rows = torch.arange(len(ids)) if all_rows else torch.tensor([len(ids) - 1])
-                model(t, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long), logit_rows, attend)
-                if time.perf_counter() - last > 10 or i + 1 == len(windows):
-                    last = time.perf_counter()
-                    progress(f"calibration: {i + 1}/{len(windows)} windows ({last - t0:.0f}s)")
-    finally:
-        for h in handles:
-            h.remove()
-    return {n: sums[n] / max(rows[n], 1) for n in names}
+        return tuple(t.cpu() for t in gptq_factor(hessian))  # `gptq` rounds the weight's rows on the CPU
+    except torch.linalg.LinAlgError:
+        raise CalibrationError(f"--calibration: the inputs' statistics of {name} are not positive definite "
+                               f"(non-finite activations on the text?); allowed: text the float model runs "
+                               f"on") from None
+
+
+class InputFactors:
+    """`mg.kernels.quant.gptq_factor` of each calibrated linear's input statistics, made when first asked for,
+    a layer at a time (`InputStatistics`), so an export streaming its weights in the program's order (layer by
+    layer) holds one layer's statistics and factors at a time. `drop(name)` once a linear is written."""
+
+    def __init__(self, cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[str, int],
+                 windows: list[list[int]], progress: Callable[[str], None], device: str = "cpu"):
+        self.cfg, self.names = cfg, dict(names)
+        self._stats = InputStatistics(cfg, weights, names, windows, progress, device)
+        self._ready: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._done: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        factor = self._ready.get(name)
+        if factor is None:
+            if name not in self.names:
+                raise KeyError(name)
+            hessians = self._stats.layer(_layer_of(name, self.cfg.n_layers))
+            for n in list(hessians):  # factored one by one, each statistic freed once factored
+                factor_n = _factor(n, hessians.pop(n))
+                if n == name or n not in self._done:
+                    self._ready[n] = factor_n
+            factor = self._ready[name]
+        return factor
+
+    def drop(self, name: str) -> None:
+        """`name`'s weight is written: its factor goes (asked again, its layer is computed again)."""
+        self._ready.pop(name, None)
+        self._done.add(name)
 
 
 def input_factors(cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[str, int],
-                  windows: list[list[int]], progress: Callable[[str], None]) -> dict[str, tuple[torch.Tensor, ...]]:
-    """{linear name: `mg.kernels.quant.gptq_factor` of its inputs' statistics} (`input_hessians`), each statistic
-    freed once factored; a statistic that cannot be factored is refused in one line."""
-    from mg.kernels.quant import gptq_factor
-
-    hessians = input_hessians(cfg, weights, names, windows, progress)
-    factors = {}
-    for name in names:
-        try:
-            factors[name] = gptq_factor(hessians.pop(name))
-        except torch.linalg.LinAlgError:
-            raise CalibrationError(f"--calibration: the inputs' statistics of {name} are not positive definite "
-                                   f"(non-finite activations on the text?); allowed: text the float model runs "
-                                   f"on") from None
-    return factors
+                  windows: list[list[int]], progress: Callable[[str], None],
+                  device: str = "cpu") -> dict[str, tuple[torch.Tensor, ...]]:
+    """{linear name: its factor} for every linear in `names`, all held at once (`InputFactors` makes them a
+    layer at a time for an export)."""
+    factors = InputFactors(cfg, weights, names, windows, progress, device)
+    return {n: factors[n] for n in sorted(names, key=lambda n: _layer_of(n, cfg.n_layers))}
 
 
 def _available_bytes() -> Optional[int]:

@@ -55,14 +55,17 @@ def _progress():
 @click.option("--quantize-head", is_flag=True, help="Quantize the LM head too (it stays float otherwise).")
 @click.option("--calibration", type=click.Path(path_type=Path), default=None, metavar="TEXT_FILE",
               help="With --weights int8|int4: round the target's quantized linears by GPTQ, so that their outputs "
-                   "on text like this UTF-8 file change least (the float target is loaded into host memory for "
-                   "it; the drafter keeps round-to-nearest). [default: round-to-nearest]")
+                   "on text like this UTF-8 file change least (the float target runs over it layer by layer, one "
+                   "layer's weights in memory; the drafter keeps round-to-nearest). [default: round-to-nearest]")
 @click.option("--calibration-tokens", type=int, default=None,
               help="--calibration: at most this many tokens of the file, in windows of 256 [default: 65536].")
+@click.option("--calibration-device", type=str, default=None, metavar="cpu|cuda",
+              help="--calibration: where the calibration pass runs (cuda: far faster at real scale) [default: cpu].")
 @click.option("-o", "--output-dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory (one holding manifest.json).")
 def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write,
-         dtype, weights, group_size, quantize_head, calibration, calibration_tokens, output_dir, force):
+         dtype, weights, group_size, quantize_head, calibration, calibration_tokens, calibration_device, output_dir,
+         force):
     """Export an MG model to an ExecuTorch program (model.pte), its weights (model.ptd) and manifest.json."""
     from mg.kernels.quiet import quiet_dependencies
 
@@ -91,7 +94,7 @@ def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, m
     opts = ExportOptions(output_dir=output_dir, layout=layout, max_seqs=max_seqs, max_cells=max_cells,
                          max_context=max_context, max_write=max_write, dtype=dtype, force=force, weights=weights,
                          group_size=group_size, quantize_head=quantize_head, calibration=calibration,
-                         calibration_tokens=calibration_tokens)
+                         calibration_tokens=calibration_tokens, calibration_device=calibration_device)
     say = _progress()
     try:
         check_options(opts)

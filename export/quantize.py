@@ -13,7 +13,7 @@ still never holds more than one chunk of a weight. The formats are those of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -102,12 +102,13 @@ def quantize_linears(module: nn.Module, scheme: str, group_size: Optional[int], 
 class QuantizedWeights:
     """`inner`'s tensors, with the parameters of the planned linears made from their float weights: by GPTQ
     for the linears `factors` has (`mg.kernels.quant.gptq_factor` of their inputs' statistics; `gptq` is
-    row-local too), by rounding to nearest for the others. A factor is dropped once its linear's `weight_q`
-    has been served."""
+    row-local too), by rounding to nearest for the others. `factors` is a mapping; one with a `drop(name)`
+    method (`mg.export.calibrate.InputFactors`, which makes them a layer at a time) is told once a linear's
+    `weight_q` has been served."""
 
     def __init__(self, inner: WeightSource, plan: dict[str, PlannedLinear],
-                 factors: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None):
-        self.inner, self.plan, self.factors = inner, plan, dict(factors or {})
+                 factors: Optional[Mapping[str, tuple[torch.Tensor, torch.Tensor]]] = None):
+        self.inner, self.plan, self.factors = inner, plan, factors if factors is not None else {}
         schemes = sorted({p.spec.scheme for p in plan.values()})
         how = f" ({len(self.factors)} by GPTQ)" if self.factors else ""
         self.description = f"{inner.description}, linears quantized to {'/'.join(schemes)}{how}" if plan \
@@ -133,7 +134,7 @@ class QuantizedWeights:
                 side.append(rest)
                 yield q.reshape(-1)
             self._keep_side(base, spec, side)
-            self.factors.pop(base, None)
+            getattr(self.factors, "drop", lambda _name: None)(base)
         else:
             if base not in self._side:  # asked before the weight: quantize once more, keeping only the side
                 self._keep_side(base, spec, [rest for _, *rest in self._quantized(base, planned)])
@@ -149,9 +150,10 @@ class QuantizedWeights:
     def _quantized(self, base: str, planned: PlannedLinear) -> Iterator[tuple[torch.Tensor, ...]]:
         """(q rows, scale rows[, zero rows]) per row chunk of `<base>.weight`."""
         spec, (n_out, n_in) = planned.spec, planned.shape
+        factor = self.factors[base] if base in self.factors else None  # made before the weight is read
         for flat in self.inner.chunks(f"{base}.weight", (n_out, n_in), torch.float32):
             rows = flat.reshape(-1, n_in)
-            if base in self.factors:
-                yield gptq(rows, self.factors[base], spec.scheme, spec.group_size)
+            if factor is not None:
+                yield gptq(rows, factor, spec.scheme, spec.group_size)
             else:
                 yield quantize_int8(rows) if spec.scheme == SCHEME_INT8 else quantize_int4(rows, spec.group_size)

@@ -379,6 +379,77 @@ def test_input_statistics_are_the_mean_outer_products_of_every_position(tmp_path
         torch.testing.assert_close(got[n], want, rtol=1e-4, atol=1e-6 * want.abs().max().item())
 
 
+def test_an_export_calibrates_one_layer_at_a_time_in_order(tmp_path, monkeypatch):
+    """The export asks for the factors in the program's order: each layer's pass runs once, in order, and no
+    more than one layer's factors are held at a time (what lets a real-scale target calibrate in the memory of
+    one layer)."""
+    from mg.export import calibrate
+
+    ran, held = [], []
+    layer, getitem = calibrate.InputStatistics.layer, calibrate.InputFactors.__getitem__
+
+    def record_layer(self, i):
+        ran.append(i)
+        return layer(self, i)
+
+    def record_get(self, name):
+        out = getitem(self, name)
+        held.append(len(self._ready))
+        return out
+
+    monkeypatch.setattr(calibrate.InputStatistics, "layer", record_layer)
+    monkeypatch.setattr(calibrate.InputFactors, "__getitem__", record_get)
+    res = _export(tmp_path / "out", "--weights", "int8", "--quantize-head", "--calibration",
+                  str(_calibration_text(tmp_path / "calibration.txt")), "--calibration-tokens", "512")
+    assert res.exit_code == 0, res.output
+    assert ran == list(range(CFG.n_layers + 1))  # every layer, then the head's inputs
+    assert held and max(held) <= 4  # a layer's four linears
+    assert "running the pass again" not in res.output
+
+
+def test_factors_asked_out_of_order_are_the_same(tmp_path):
+    """Asking for an earlier layer's factor after a later one runs the pass again and gives the same factor."""
+    from mg.export.calibrate import InputFactors
+
+    windows = [[1] + list(range(5, 40)), [1] + list(range(60, 95))]
+    names = {"layers.0.attn.qkvg_proj": CFG.dim, "layers.1.ffn.down_proj": CFG.ffn_dim, "output": CFG.dim}
+    said = []
+    in_order = InputFactors(CFG, RandomWeights(0), names, windows, lambda msg: None)
+    want = {n: in_order[n] for n in names}
+    out_of_order = InputFactors(CFG, RandomWeights(0), names, windows, said.append)
+    for n in ("output", "layers.1.ffn.down_proj", "layers.0.attn.qkvg_proj"):
+        got = out_of_order[n]
+        assert torch.equal(got[0], want[n][0]) and torch.equal(got[1], want[n][1]), n
+    assert sum("running the pass again" in m for m in said) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_calibration_on_cuda_matches_the_cpu_pass(tmp_path):
+    """`--calibration-device cuda`: the same statistics as the CPU pass up to rounding (full-precision float32
+    products, no TF32), and an export that records GPTQ."""
+    from mg.export.calibrate import input_hessians
+
+    windows = [[1] + list(range(5, 260)), [1] + list(range(300, 555))]
+    names = {"layers.0.attn.qkvg_proj": CFG.dim, "layers.1.ffn.down_proj": CFG.ffn_dim, "output": CFG.dim}
+    torch.backends.cuda.matmul.allow_tf32 = True  # the pass turns it off for itself
+    try:
+        got = input_hessians(CFG, RandomWeights(0), names, windows, lambda msg: None, device="cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    want = input_hessians(CFG, RandomWeights(0), names, windows, lambda msg: None)
+    for n in names:
+        assert got[n].device.type == "cpu"
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6 * want[n].abs().max().item())
+    res = _export(tmp_path / "out", "--weights", "int4", "--group-size", "32", "--calibration",
+                  str(_calibration_text(tmp_path / "calibration.txt")), "--calibration-tokens", "512",
+                  "--calibration-device", "cuda")
+    assert res.exit_code == 0, res.output
+    assert "layer by layer on the CUDA" in res.output
+    m = read_manifest(tmp_path / "out" / C.MANIFEST_FILE)
+    assert m.weights[0].fit == C.FIT_GPTQ
+
+
 def test_bad_calibration_is_refused_in_one_line_writing_nothing(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("x = 1\n", encoding="utf-8")
@@ -394,7 +465,13 @@ def test_bad_calibration_is_refused_in_one_line_writing_nothing(tmp_path):
         (["--weights", "int8", "--calibration", str(text), "--calibration-tokens", "100"],
          "--calibration-tokens is 100; allowed: an integer >= 256"),
         (["--weights", "int8", "--calibration-tokens", "1024"], "--calibration-tokens applies with --calibration only"),
+        (["--weights", "int8", "--calibration-device", "cuda"], "--calibration-device applies with --calibration only"),
+        (["--weights", "int8", "--calibration", str(text), "--calibration-device", "gpu"],
+         "--calibration-device is 'gpu'; allowed: cpu | cuda"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["--weights", "int8", "--calibration", str(text), "--calibration-device", "cuda"],
+                      "--calibration-device cuda, but torch sees no CUDA device here; allowed: cpu"))
     for args, message in cases:
         res = _export(tmp_path / "out", *args)
         assert res.exit_code == 2, (args, res.output)
@@ -425,8 +502,9 @@ def test_calibration_that_would_not_fit_in_memory_is_refused_in_one_line(tmp_pat
                   str(_calibration_text(tmp_path / "calibration.txt")))
     assert res.exit_code == 2
     last = res.output.strip().splitlines()[-1]
-    assert last.startswith("mg-export: error: --calibration needs the float target and its inputs' statistics in "
-                           "host memory: ") and "GB, 0.0 GB available" in last, res.output
+    assert last.startswith("mg-export: error: --calibration needs the residual stream of its tokens, one float "
+                           "layer and that layer's input statistics in host memory: ") and \
+        "GB, 0.0 GB available; allowed: fewer --calibration-tokens" in last, res.output
     assert not (tmp_path / "out").exists()
 
 
