@@ -126,6 +126,9 @@ def gptq_factor(hessian: torch.Tensor, damp: float = 0.01) -> tuple[torch.Tensor
     return hinv.float(), dead
 
 
+GPTQ_SUB_BLOCK = 32  # columns whose errors are applied one by one; the rest of their block gets them as a product
+
+
 def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str,
          group_size: int | None = None) -> tuple[torch.Tensor, ...]:
     """Rows of a float weight [n, K] quantized to `scheme`'s format (as `quantize_int8` / `quantize_int4`
@@ -135,43 +138,53 @@ def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str
     independent: a row chunk gives the codes of the whole (the block updates' matrix products may round a
     scale's last bits differently with another number of rows). int4 groups take their scale and zero (the
     least-squares fit of `quantize_int4`) from their columns' error-updated weights when the group's turn
-    comes; int8 keeps each row's symmetric scale of the original weights."""
+    comes; int8 keeps each row's symmetric scale of the original weights.
+
+    The weight is worked on transposed (a column is a contiguous row) and the errors travel in three steps:
+    column by column within a sub-block of `GPTQ_SUB_BLOCK` columns, as one product to the rest of the block
+    (a scale group for int4, 128 columns for int8), as one product to the columns after the block. The same
+    sums as the column-by-column loop, in another order."""
     hinv, dead = factor
     n, k = w.shape
-    w = w.float().clone()
-    w[:, dead] = 0.0
+    wt = w.float().t().contiguous()  # [K, n]
+    wt[dead] = 0.0
     block = group_size if scheme == SCHEME_INT4 else 128
-    codes = torch.empty((n, k), dtype=torch.int8 if scheme == SCHEME_INT8 else torch.uint8)
+    codes = torch.empty((k, n), dtype=torch.int8 if scheme == SCHEME_INT8 else torch.uint8)
     if scheme == SCHEME_INT8:
-        scale8 = _int8_scale(w)
+        s, z = _int8_scale(wt.t()), None
     else:
         scale4 = torch.empty((n, k // group_size), dtype=torch.float32)
         zero4 = torch.empty_like(scale4)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
-        wb = w[:, b0:b1].clone()
+        wb, hb = wt[b0:b1], hinv[b0:b1, b0:b1]  # wb: a view, updated in place
         err = torch.empty_like(wb)
-        hb = hinv[b0:b1, b0:b1]
         if scheme == SCHEME_INT4:
-            _, s_g, z_g = quantize_int4(wb, group_size)
-            s, z = s_g[:, 0], z_g[:, 0]
+            _, s_g, z_g = quantize_int4(wb.t(), group_size)
+            s, z = s_g[:, 0].contiguous(), z_g[:, 0].contiguous()
             scale4[:, b0 // group_size], zero4[:, b0 // group_size] = s, z
-        for i in range(b1 - b0):
-            col = wb[:, i]
-            if scheme == SCHEME_INT8:
-                q = torch.round(col / scale8).clamp_(-127, 127)
-                deq = q * scale8
-            else:
-                q = torch.round((col - z) / s).clamp_(0, 15)
-                deq = q * s + z
-            codes[:, b0 + i] = q.to(codes.dtype)
-            e = (col - deq) / hb[i, i]
-            wb[:, i:] -= e[:, None] * hb[i, i:][None, :]
-            err[:, i] = e
-        w[:, b1:] -= err @ hinv[b0:b1, b1:]
+        for s0 in range(0, b1 - b0, GPTQ_SUB_BLOCK):
+            s1 = min(s0 + GPTQ_SUB_BLOCK, b1 - b0)
+            for i in range(s0, s1):
+                col = wb[i]
+                if z is None:
+                    q = torch.round(col / s).clamp_(-127, 127)
+                    deq = q * s
+                else:
+                    q = torch.round((col - z) / s).clamp_(0, 15)
+                    deq = q * s + z
+                codes[b0 + i] = q.to(codes.dtype)
+                e = (col - deq) / hb[i, i]
+                if i + 1 < s1:
+                    wb[i + 1:s1] -= hb[i, i + 1:s1][:, None] * e[None, :]
+                err[i] = e
+            if s1 < b1 - b0:
+                wb[s1:] -= hb[s0:s1, s1:].t() @ err[s0:s1]
+        if b1 < k:
+            wt[b1:] -= hinv[b0:b1, b1:].t() @ err
     if scheme == SCHEME_INT8:
-        return codes, scale8
-    return pack_int4(codes), scale4, zero4
+        return codes.t().contiguous(), s
+    return pack_int4(codes.t().contiguous()), scale4, zero4
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
