@@ -246,7 +246,7 @@ def _factor(name: str, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     from mg.kernels.quant import gptq_factor
 
     try:
-        return tuple(t.cpu() for t in gptq_factor(hessian))  # `gptq` rounds the weight's rows on the CPU
+        return gptq_factor(hessian)  # on the pass's device: `QuantizedWeights` rounds the weight there
     except torch.linalg.LinAlgError:
         raise CalibrationError(f"--calibration: the inputs' statistics of {name} are not positive definite "
                                f"(non-finite activations on the text?); allowed: text the float model runs "

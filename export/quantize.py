@@ -148,12 +148,28 @@ class QuantizedWeights:
         self._side[base] = {p: torch.cat(col) for p, col in zip(spec.parts[1:], zip(*side))}
 
     def _quantized(self, base: str, planned: PlannedLinear) -> Iterator[tuple[torch.Tensor, ...]]:
-        """(q rows, scale rows[, zero rows]) per row chunk of `<base>.weight`."""
+        """(q rows, scale rows[, zero rows]) per row chunk of `<base>.weight`; by GPTQ with a factor on a CUDA
+        device (calibrated there), the whole weight at once on that device (a column's small operations are
+        launched once for all rows, not once per chunk), the results returned to the host."""
         spec, (n_out, n_in) = planned.spec, planned.shape
         factor = self.factors[base] if base in self.factors else None  # made before the weight is read
-        for flat in self.inner.chunks(f"{base}.weight", (n_out, n_in), torch.float32):
+        chunks = self.inner.chunks(f"{base}.weight", (n_out, n_in), torch.float32)
+        if factor is not None and _whole_weight(factor):
+            rows, at = torch.empty((n_out, n_in), dtype=torch.float32, device=factor[0].device), 0
+            for flat in chunks:
+                part = flat.reshape(-1, n_in)
+                rows[at:at + part.shape[0]].copy_(part)
+                at += part.shape[0]
+            yield tuple(t.cpu() for t in gptq(rows, factor, spec.scheme, spec.group_size))
+            return
+        for flat in chunks:
             rows = flat.reshape(-1, n_in)
             if factor is not None:
                 yield gptq(rows, factor, spec.scheme, spec.group_size)
             else:
                 yield quantize_int8(rows) if spec.scheme == SCHEME_INT8 else quantize_int4(rows, spec.group_size)
+
+
+def _whole_weight(factor: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Does GPTQ take the whole weight at once: with the factor on a CUDA device (host rounding stays chunked)."""
+    return factor[0].device.type == "cuda"

@@ -140,20 +140,20 @@ def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str
     least-squares fit of `quantize_int4`) from their columns' error-updated weights when the group's turn
     comes; int8 keeps each row's symmetric scale of the original weights.
 
-    The weight is worked on transposed (a column is a contiguous row) and the errors travel in three steps:
+    Runs on w's device (`factor` there too). The weight is worked on transposed (a column is a contiguous row)
+    and the errors travel in three steps:
     column by column within a sub-block of `GPTQ_SUB_BLOCK` columns, as one product to the rest of the block
     (a scale group for int4, 128 columns for int8), as one product to the columns after the block. The same
     sums as the column-by-column loop, in another order."""
     hinv, dead = factor
     n, k = w.shape
-    wt = w.float().t().contiguous()  # [K, n]
-    wt[dead] = 0.0
+    wt = w.float().t().contiguous().masked_fill_(dead[:, None], 0.0)  # [K, n]
     block = group_size if scheme == SCHEME_INT4 else 128
-    codes = torch.empty((k, n), dtype=torch.int8 if scheme == SCHEME_INT8 else torch.uint8)
+    codes = torch.empty((k, n), dtype=torch.int8 if scheme == SCHEME_INT8 else torch.uint8, device=w.device)
     if scheme == SCHEME_INT8:
         s, z = _int8_scale(wt.t()), None
     else:
-        scale4 = torch.empty((n, k // group_size), dtype=torch.float32)
+        scale4 = torch.empty((n, k // group_size), dtype=torch.float32, device=w.device)
         zero4 = torch.empty_like(scale4)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)

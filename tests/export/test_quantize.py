@@ -123,6 +123,54 @@ def test_gptq_rounds_where_the_outputs_on_its_inputs_change_least(scheme, group)
         torch.testing.assert_close(a, b.float(), rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("scheme,group", [("int4", 64), ("int8", None)])
+def test_gptq_runs_on_the_weights_device(scheme, group):
+    """Every tensor GPTQ makes is on the weight's device (checked on the meta device, where mixing devices
+    fails): what lets an export calibrated on CUDA round there. Its factor on another device is refused."""
+    w, x = _weight(48, 320), torch.randn(1024, 320, generator=torch.Generator().manual_seed(3))
+    factor = quant.gptq_factor(x.T @ x / x.shape[0])
+    want = quant.gptq(w, factor, scheme, group)
+    got = quant.gptq(w.to("meta"), tuple(t.to("meta") for t in factor), scheme, group)
+    assert [(t.device.type, t.dtype, t.shape) for t in got] == [("meta", t.dtype, t.shape) for t in want]
+    with pytest.raises(RuntimeError):
+        quant.gptq(w.to("meta"), factor, scheme, group)
+
+
+def test_gptq_on_the_whole_weight_gives_the_chunks_codes(monkeypatch):
+    """With the factor on a CUDA device the export rounds the whole weight at once there; the codes are those
+    of the row chunks it otherwise rounds one by one (exercised here on the CPU)."""
+    from mg.export import quantize, weights
+
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 64 * 4 * 40)  # 40 rows a chunk of a [.., 64] weight
+    model = init_random(MuseGlimmer(CFG), 0).eval()
+    plan = quantize_linears(model, "int4", 32, frozenset({"output"}), device="cpu")
+    names = [n for n in plan if plan[n].shape[0] > 40][:2]
+    gen = torch.Generator().manual_seed(1)
+    factors = {}
+    for n in names:
+        x = torch.randn(512, plan[n].shape[1], generator=gen)
+        factors[n] = quant.gptq_factor(x.T @ x / 512)
+
+    def parts(whole: bool) -> dict:
+        monkeypatch.setattr(quantize, "_whole_weight", lambda factor: whole)
+        src = QuantizedWeights(RandomWeights(0), plan, dict(factors))
+        out = {}
+        for n in names:
+            shape = plan[n].shape
+            for part in plan[n].spec.parts:
+                size = {"weight_q": (shape[0], shape[1] // 2)}.get(part, (shape[0], shape[1] // 32))
+                dtype = torch.uint8 if part == "weight_q" else torch.float32
+                out[n, part] = torch.cat(list(src.chunks(f"{n}.{part}", size, dtype)))
+        return out
+
+    chunked, whole = parts(False), parts(True)
+    for key, value in chunked.items():
+        if key[1] == "weight_q":
+            assert torch.equal(whole[key], value), key
+        else:
+            torch.testing.assert_close(whole[key], value, rtol=1e-5, atol=1e-7)
+
+
 def _gptq_reference(w, h, scheme, group):
     """GPTQ column by column (no lazy blocks), float64 throughout."""
     w, h = w.double().clone(), h.double().clone()
@@ -427,7 +475,8 @@ def test_factors_asked_out_of_order_are_the_same(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_calibration_on_cuda_matches_the_cpu_pass(tmp_path):
     """`--calibration-device cuda`: the same statistics as the CPU pass up to rounding (full-precision float32
-    products, no TF32), and an export that records GPTQ."""
+    products, no TF32), GPTQ's codes on the device nearly all the CPU's, and an export (rounding the whole weights
+    on the device) that records GPTQ."""
     from mg.export.calibrate import input_hessians
 
     windows = [[1] + list(range(5, 260)), [1] + list(range(300, 555))]
@@ -441,6 +490,10 @@ def test_calibration_on_cuda_matches_the_cpu_pass(tmp_path):
     for n in names:  # float32 rounding differs between the devices: the whole matrix within 1e-4 of its norm
         assert got[n].device.type == "cpu" and got[n].shape == want[n].shape
         assert torch.linalg.norm(got[n] - want[n]) <= 1e-4 * torch.linalg.norm(want[n]), n
+    w, h = _weight(48, CFG.ffn_dim), want["layers.1.ffn.down_proj"]  # GPTQ itself on the device, as the export
+    cpu = quant.gptq(w, quant.gptq_factor(h), "int4", 32)  # rounds there
+    dev = quant.gptq(w.cuda(), tuple(t.cuda() for t in quant.gptq_factor(h.cuda())), "int4", 32)
+    assert (quant.unpack_int4(dev[0].cpu()) == quant.unpack_int4(cpu[0])).float().mean() >= 0.99
     res = _export(tmp_path / "out", "--weights", "int4", "--group-size", "32", "--calibration",
                   str(_calibration_text(tmp_path / "calibration.txt")), "--calibration-tokens", "512",
                   "--calibration-device", "cuda")
