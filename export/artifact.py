@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -270,7 +270,7 @@ def _weight_groups(plans: dict[str, dict], scheme: str, group_size: Optional[int
 
 
 def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict],
-               progress: Progress) -> tuple[dict, int]:
+               progress: Progress) -> tuple[Union[InputFactors, dict], int]:
     """With --calibration: GPTQ's factor of each of the target's quantized linears from its inputs' statistics
     on the text -> (`InputFactors`, tokens used), else ({}, 0). The text is read and the memory checked now;
     the factors are made a layer at a time while model.ptd is written (the float target runs layer by layer
@@ -286,7 +286,7 @@ def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict]
                                    opts.calibration_tokens or DEFAULT_CALIBRATION_TOKENS)
         tokens = sum(map(len, windows))
         device = opts.calibration_device or "cpu"
-        check_memory(target.cfg, names, tokens, device)
+        check_memory(target.cfg, {n: p.shape for n, p in plans["model"].items()}, tokens, device)
         progress(f"calibration: {len(windows)} windows, {tokens} tokens of {opts.calibration}; the float target "
                  f"runs over them layer by layer on the {device.upper()} while the weights are written, "
                  f"collecting its {len(names)} quantized linears' inputs for GPTQ")

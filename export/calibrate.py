@@ -14,13 +14,14 @@ runtime.
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from mg.kernels.precision import cuda_fp32_matmuls
 
 from .config import MuseGlimmerConfig
 from .weights import WeightSource, materialize
@@ -75,27 +76,34 @@ def read_calibration(path: Path, tokenizer: Optional[Path], bos_id: Optional[int
     return windows
 
 
-def check_memory(cfg: MuseGlimmerConfig, names: dict[str, int], tokens: int, device: str = "cpu") -> None:
-    """Refuse when the layer-by-layer pass would not fit in the memory it runs in (the host's, or the CUDA
-    device's free memory): the residual stream of every calibration token (twice: a layer's input and output),
-    one layer's float32 weights, the largest layer's statistics (float64) and factors (float32) of its
-    calibrated linears, and the factorization's working set of the widest (three [K, K] float64 matrices)."""
+def check_memory(cfg: MuseGlimmerConfig, shapes: dict[str, tuple[int, int]], tokens: int, device: str = "cpu") -> None:
+    """Refuse when the layer-by-layer pass would not fit where it runs (the host's available memory, or the
+    CUDA device's free memory and the host's): the residual stream of every calibration token (updated in
+    place), one layer's float32 weights, the largest layer's statistics (float64) and factors (float32) of its
+    calibrated linears ({name: [out, in] features}), and the larger of the widest factorization's working set
+    (three [K, K] float64 matrices) and GPTQ's on the widest weight (on CUDA the whole weight at once, with its
+    transposed copy and codes; on the host a chunk). With CUDA the host holds one float layer and the
+    embeddings' gathered rows."""
     per_layer: dict[str, int] = {}
-    for name, k in names.items():
+    for name, (_, k) in shapes.items():
         layer = name.split(".")[1] if name.startswith("layers.") else name
         per_layer[layer] = per_layer.get(layer, 0) + 12 * k * k
-    widest = max(names.values(), default=0)
+    widest = max((k for _, k in shapes.values()), default=0)
+    largest = max((n * k for n, k in shapes.values()), default=0)
     layer_weights = 4 * (cfg.qkvg_rows * cfg.dim + cfg.n_heads * cfg.head_dim * cfg.dim + 3 * cfg.ffn_dim * cfg.dim)
-    need = 2 * 4 * tokens * cfg.dim + layer_weights + max(per_layer.values(), default=0) + 24 * widest * widest
+    stream = 4 * tokens * cfg.dim
+    rounding = 9 * largest if device == "cuda" else 0
+    need = stream + layer_weights + max(per_layer.values(), default=0) + max(24 * widest * widest, rounding)
+    checks = [(need, "host memory", _available_bytes())]
     if device == "cuda":
-        available, where = torch.cuda.mem_get_info()[0], "CUDA device memory"
-    else:
-        available, where = _available_bytes(), "host memory"
-    if available is not None and need > 0.8 * available:
-        raise CalibrationError(f"--calibration needs the residual stream of its tokens, one float layer and that "
-                               f"layer's input statistics in {where}: {need / 1e9:.1f} GB, "
-                               f"{available / 1e9:.1f} GB available; allowed: fewer --calibration-tokens (or no "
-                               f"--calibration: round-to-nearest needs no model in memory)")
+        checks = [(need, "CUDA device memory", torch.cuda.mem_get_info()[0]),
+                  (layer_weights + stream, "host memory", _available_bytes())]
+    for bytes_, where, available in checks:
+        if available is not None and bytes_ > 0.8 * available:
+            raise CalibrationError(f"--calibration needs the residual stream of its tokens, one float layer and "
+                                   f"that layer's input statistics in {where}: {bytes_ / 1e9:.1f} GB, "
+                                   f"{available / 1e9:.1f} GB available; allowed: fewer --calibration-tokens (or "
+                                   f"no --calibration: round-to-nearest needs no model in memory)")
 
 
 class _Prefixed:
@@ -132,17 +140,6 @@ def _layer_of(name: str, n_layers: int) -> int:
     raise ValueError(f"not a calibrated linear of the target: {name}")
 
 
-@contextlib.contextmanager
-def _full_precision():
-    """float32 matrix products in full precision on CUDA (no TF32) for the statistics, whatever the process set."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
-
-
 class InputStatistics:
     """E[x x^T] ([K, K] float64) of the inputs of the target's linears `names` ({name: in features}) on the
     calibration windows, computed layer by layer in float32 (full-precision matrix products) on `device` (the
@@ -161,16 +158,20 @@ class InputStatistics:
         self.tokens = torch.tensor(windows, dtype=torch.long)  # [W, T]
         self._x: Optional[torch.Tensor] = None  # the residual stream entering layer self._next
         self._next = 0
+        self._last = max((_layer_of(n, cfg.n_layers) for n in names), default=-1)  # no stream needed after it
         self._t0 = time.perf_counter()
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         if i < self._next or self._x is None:
-            if self._x is not None:
+            if self._next:
                 self.progress(f"calibration: layer {i} asked after layer {self._next - 1}: running the pass again")
             self._x, self._next = self._embed(), 0
         while self._next < i:
             self._run(self._next, {})
-        return self._run(i, {n: k for n, k in self.names.items() if _layer_of(n, self.cfg.n_layers) == i})
+        out = self._run(i, {n: k for n, k in self.names.items() if _layer_of(n, self.cfg.n_layers) == i})
+        if i >= self._last:
+            self._x = None  # the last calibrated layer: the stream's memory goes back (asked again: a new pass)
+        return out
 
     def _embed(self) -> torch.Tensor:
         """The first layer's input: the embedding rows of the windows' tokens (read chunk by chunk, only the rows
@@ -202,7 +203,7 @@ class InputStatistics:
             sums[name] += (x.T @ x).double()
             rows[name] += x.shape[0]
 
-        with torch.no_grad(), _full_precision():
+        with torch.no_grad(), cuda_fp32_matmuls(False):  # statistics in full precision, whatever the process set
             if i == cfg.n_layers:  # the head: its inputs are the final norm of every position
                 if names:
                     norm = materialize(_Prefixed(self.weights, "norm."),
@@ -243,14 +244,22 @@ def input_hessians(cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[st
 
 
 def _factor(name: str, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gptq_factor` of `name`'s statistics, refused in one line when they or the factor are not finite or not
+    positive definite (CUDA's Cholesky gives NaN where the CPU's raises)."""
     from mg.kernels.quant import gptq_factor
 
+    refusal = CalibrationError(f"--calibration: the inputs' statistics of {name} are not finite or not positive "
+                               f"definite (non-finite activations on the text?); allowed: text the float model "
+                               f"runs on")
+    if not bool(torch.isfinite(hessian).all()):
+        raise refusal
     try:
-        return gptq_factor(hessian)  # on the pass's device: `QuantizedWeights` rounds the weight there
+        factor = gptq_factor(hessian)  # on the pass's device: `QuantizedWeights` rounds the weight there
     except torch.linalg.LinAlgError:
-        raise CalibrationError(f"--calibration: the inputs' statistics of {name} are not positive definite "
-                               f"(non-finite activations on the text?); allowed: text the float model runs "
-                               f"on") from None
+        raise refusal from None
+    if not bool(torch.isfinite(factor[0]).all()):
+        raise refusal
+    return factor
 
 
 class InputFactors:

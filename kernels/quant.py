@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from mg.manifests.constants import WEIGHTS_INT4 as SCHEME_INT4, WEIGHTS_INT8 as SCHEME_INT8
 
 from . import ops
+from .precision import cuda_fp32_matmuls
 
 LINEAR_INT8 = "linear_int8"
 LINEAR_INT4 = "linear_int4"
@@ -135,8 +136,8 @@ def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str
     return it) by GPTQ: columns are rounded in order, and each column's rounding error is spread over the
     columns not yet rounded through `factor` (`gptq_factor` of E[x x^T] of the linear's inputs on calibration
     text), so that the layer's output error on such inputs, not the weights' own, is what gets small. Rows are
-    independent: a row chunk gives the codes of the whole (the block updates' matrix products may round a
-    scale's last bits differently with another number of rows). int4 groups take their scale and zero (the
+    independent: a row chunk gives the codes of the whole, up to rounding (the updates' matrix products may
+    round differently with another number of rows, which can move a code at a near-tie and a scale's last bits). int4 groups take their scale and zero (the
     least-squares fit of `quantize_int4`) from their columns' error-updated weights when the group's turn
     comes; int8 keeps each row's symmetric scale of the original weights.
 
@@ -145,9 +146,18 @@ def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str
     column by column within a sub-block of `GPTQ_SUB_BLOCK` columns, as one product to the rest of the block
     (a scale group for int4, 128 columns for int8), as one product to the columns after the block. The same
     sums as the column-by-column loop, in another order."""
+    if w.is_cuda:  # its products in full precision, whatever the process set
+        with cuda_fp32_matmuls(False):
+            return _gptq(w, factor, scheme, group_size)
+    return _gptq(w, factor, scheme, group_size)
+
+
+def _gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str,
+          group_size: int | None) -> tuple[torch.Tensor, ...]:
     hinv, dead = factor
     n, k = w.shape
-    wt = w.float().t().contiguous().masked_fill_(dead[:, None], 0.0)  # [K, n]
+    wt = torch.empty((k, n), dtype=torch.float32, device=w.device).copy_(w.t())  # [K, n], never w's storage
+    wt.masked_fill_(dead[:, None], 0.0)
     block = group_size if scheme == SCHEME_INT4 else 128
     codes = torch.empty((k, n), dtype=torch.int8 if scheme == SCHEME_INT8 else torch.uint8, device=w.device)
     if scheme == SCHEME_INT8:

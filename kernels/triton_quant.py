@@ -101,7 +101,7 @@ def _launch(x, weight_q, scale, zero, group_size):
     part = out if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (-(-m // plan.block_m), -(-n // plan.block_n), plan.split_k)
     upcast = _INTERPRETING and x.dtype != torch.float32
-    asm = _packed_dequant(x) if group_size is not None else ""
+    asm = _packed_dequant(x, scale, zero) if group_size is not None else ""
     _jit._linear_wq_kernel[grid](
         rows, weight_q, scale, zero, part, m, n, k, weight_q.shape[1], scale.shape[-1] if group_size else 1,
         rows.stride(0), n, m * n, K_PER_SPLIT=plan.k_per_split, GROUP_SIZE=group_size or 1,
@@ -113,11 +113,14 @@ def _launch(x, weight_q, scale, zero, group_size):
     return out.reshape(*x.shape[:-1], n)
 
 
-def _packed_dequant(x: torch.Tensor) -> str:
+def _packed_dequant(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> str:
     """The inline PTX that dequantizes int4 two elements per instruction for x's dtype (`triton_quant_jit`), or ""
-    where the kernel dequantizes in fp32 instead: fp32 activations, the interpreter, a GPU before sm_80 (no
-    paired bf16 multiply-add)."""
+    where the kernel dequantizes in fp32 instead: fp32 activations, scales or zeros of another dtype than x's
+    (the PTX reads them as pairs of x's dtype), the interpreter, a GPU before sm_80 (no paired bf16
+    multiply-add)."""
     if _INTERPRETING or x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        return ""
+    if scale.dtype != x.dtype or zero.dtype != x.dtype:
         return ""
     if _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) < (8, 0):
         return ""

@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import torch
 
 from mg.kernels import ops as mg_ops, quant
+from mg.kernels.precision import cuda_fp32_matmuls
 from mg.manifests import constants as C
 
 from .artifact import Artifact
@@ -532,22 +533,13 @@ def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, tab
 
 @contextlib.contextmanager
 def _tf32_matmuls(on: bool):
-    """CUDA fp32 matrix products in TF32 inside the block (`RunConfig.draft_tf32`); as before after it. Set
-    through the older `allow_tf32` flag, which leaves every reader of either precision API working inside the
-    block; a process that set the newer `fp32_precision` (torch then refuses the older flag) gets that one."""
+    """CUDA fp32 matrix products in TF32 inside the block when `on` (`RunConfig.draft_tf32`), untouched otherwise
+    (`mg.kernels.precision`)."""
     if not on:
         yield
         return
-    matmul = torch.backends.cuda.matmul
-    try:
-        name, before, value = "allow_tf32", matmul.allow_tf32, True
-    except RuntimeError:  # the process uses the newer API: torch refuses mixing the two
-        name, before, value = "fp32_precision", matmul.fp32_precision, "tf32"
-    setattr(matmul, name, value)
-    try:
+    with cuda_fp32_matmuls(True):
         yield
-    finally:
-        setattr(matmul, name, before)
 
 
 def _prefer_cublaslt() -> None:

@@ -481,11 +481,7 @@ def test_calibration_on_cuda_matches_the_cpu_pass(tmp_path):
 
     windows = [[1] + list(range(5, 260)), [1] + list(range(300, 555))]
     names = {"layers.0.attn.qkvg_proj": CFG.dim, "layers.1.ffn.down_proj": CFG.ffn_dim, "output": CFG.dim}
-    torch.backends.cuda.matmul.allow_tf32 = True  # the pass turns it off for itself
-    try:
-        got = input_hessians(CFG, RandomWeights(0), names, windows, lambda msg: None, device="cuda")
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = False
+    got = input_hessians(CFG, RandomWeights(0), names, windows, lambda msg: None, device="cuda")
     want = input_hessians(CFG, RandomWeights(0), names, windows, lambda msg: None)
     for n in names:  # float32 rounding differs between the devices: the whole matrix within 1e-4 of its norm
         assert got[n].device.type == "cpu" and got[n].shape == want[n].shape
@@ -501,6 +497,60 @@ def test_calibration_on_cuda_matches_the_cpu_pass(tmp_path):
     assert "layer by layer on the CUDA" in res.output
     m = read_manifest(tmp_path / "out" / C.MANIFEST_FILE)
     assert m.weights[0].fit == C.FIT_GPTQ
+
+
+def test_the_calibration_pass_runs_its_products_in_full_precision(monkeypatch):
+    """Inside the pass CUDA's fp32 products are full precision (no TF32) whatever the process set; after it, as
+    the process had them (the flag is global, so this is checked on any machine)."""
+    from mg.export import model as model_module
+    from mg.export.calibrate import input_hessians
+
+    seen = []
+    forward = model_module.Block.forward
+
+    def record(self, *args, **kwargs):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.Block, "forward", record)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        input_hessians(CFG, RandomWeights(0), {"layers.1.ffn.down_proj": CFG.ffn_dim}, [[1] + list(range(5, 40))],
+                       lambda msg: None)
+        assert seen and not any(seen)
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_statistics_that_are_not_finite_are_refused_in_one_line(monkeypatch, bad):
+    """Non-finite statistics (activations the float model cannot carry on the text) are refused, not factored:
+    CUDA's Cholesky would give NaN factors, and NaN weights, where the CPU's raises."""
+    from mg.export import calibrate
+
+    def layer(self, i):
+        return {n: torch.full((k, k), bad, dtype=torch.float64) for n, k in self.names.items()}
+
+    monkeypatch.setattr(calibrate.InputStatistics, "layer", layer)
+    factors = calibrate.InputFactors(CFG, RandomWeights(0), {"layers.0.attn.o_proj": 64}, [[1] * 256],
+                                     lambda msg: None)
+    with pytest.raises(calibrate.CalibrationError, match="layers.0.attn.o_proj are not finite or not positive "
+                                                           "definite"):
+        factors["layers.0.attn.o_proj"]
+
+
+def test_gptq_leaves_its_input_alone():
+    """A one-row chunk's transpose is the same storage: GPTQ must still work on a copy."""
+    x = torch.randn(512, 128, generator=torch.Generator().manual_seed(2))
+    factor = quant.gptq_factor(x.T @ x / 512)
+    for rows in (1, 5):
+        w = _weight(rows, 128)
+        before = w.clone()
+        quant.gptq(w, factor, "int4", 32)
+        quant.gptq(w, factor, "int8")
+        assert torch.equal(w, before)
 
 
 def test_bad_calibration_is_refused_in_one_line_writing_nothing(tmp_path):

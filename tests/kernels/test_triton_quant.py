@@ -76,13 +76,25 @@ def test_int4_dequantizes_every_element_as_documented(dtype, group):
     q = quant.unpack_int4(q4).double().reshape(n, k // group, group)
     once = (q * s4.double()[..., None] + z4.double()[..., None]).reshape(n, k).to(dtype)  # rounded once
     ref = quant.dequantize_int4(q4, s4, z4, group, dtype)
-    if tq._packed_dequant(eye):
+    if tq._packed_dequant(eye, s4, z4):
         assert torch.equal(got, once)
     elif ON_CUDA or dtype == torch.float32:  # each element one of the two roundings
         assert bool(((got == ref) | (got == once)).all())
         assert dtype == torch.float32 or torch.equal(once, ref)
     else:  # the interpreter's float-to-bf16/fp16 conversion truncates: within one unit in the last place
         torch.testing.assert_close(got, ref, rtol=2.0 ** -(7 if dtype == torch.bfloat16 else 10), atol=0)
+
+
+@pytest.mark.parametrize("x_dtype,scale_dtype", [(torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32),
+                                                  (torch.float16, torch.bfloat16)])
+def test_int4_scales_of_another_dtype_than_x_dequantize_in_fp32(x_dtype, scale_dtype):
+    """The packed path reads scales and zeros as pairs of x's dtype: with another dtype the kernel takes the
+    fp32 path, and the result matches the reference."""
+    _, (q4, s4, z4, group) = _weights(64, 256, 64, torch.float32, seed=4)
+    s4, z4 = s4.to(scale_dtype), z4.to(scale_dtype)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).to(x_dtype).to(DEVICE)
+    assert tq._packed_dequant(x, s4, z4) == ""
+    _close(tq.linear_int4_triton(x, q4, s4, z4, group), quant.linear_int4_ref(x, q4, s4, z4, group))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
