@@ -228,8 +228,11 @@ class InputStatistics:
                 for h in handles:
                     h.remove()
         self._next = i + 1
+        elapsed = time.perf_counter() - self._t0
+        left = self._last + 1 - self._next  # layers still to run: at the export's pace so far (its writing included)
+        eta = f", about {elapsed / self._next * left / 60:.0f} min to the last calibrated layer" if left > 0 else ""
         self.progress(f"calibration: layer {i + 1}/{cfg.n_layers} over {self._x.shape[0]} windows "
-                      f"({time.perf_counter() - self._t0:.0f}s)")
+                      f"({elapsed:.0f}s{eta})")
         return {n: sums[n] / max(rows[n], 1) for n in names}
 
 

@@ -451,6 +451,8 @@ def test_an_export_calibrates_one_layer_at_a_time_in_order(tmp_path, monkeypatch
                   str(_calibration_text(tmp_path / "calibration.txt")), "--calibration-tokens", "512")
     assert res.exit_code == 0, res.output
     assert ran == list(range(CFG.n_layers + 1))  # every layer, then the head's inputs
+    assert f"calibration: layer 1/{CFG.n_layers} over 2 windows" in res.output and "min to the last calibrated layer" \
+        in res.output
     assert held and max(held) <= 4  # a layer's four linears
     assert "running the pass again" not in res.output
 
