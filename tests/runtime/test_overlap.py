@@ -40,13 +40,15 @@ def _engine(art, dflash: bool, overlap: bool, eos=None, device="cpu", graphs=Non
 
 def _rejecting(engine: Engine) -> None:
     """`engine`'s drafter rejected many times. Unfused (CPU): priced by fixed costs, no timed calls and no
-    probes, so every choice is a plain step whatever this machine measured. Fused rounds (CUDA graphs): the
-    costs it measured, probes included."""
+    probes, so every choice is a plain step whatever host work this machine measures per step (up to ~50 ms),
+    and, once the drafter is believed perfect (`_believe(engine, 7, 60)`), a round. The draft call costs 2 ms:
+    with 0.1 ms, a loaded machine's host work made the rejected drafter's ~0.03 expected tokens look worth a
+    round. Fused rounds (CUDA graphs): the costs it measured, probes included."""
     spec = engine.spec
     _believe(engine, 0, 30)
     if not engine.config.fused:
         sizes = (1, 2, 4, 8, 16, 24)
-        spec.costs = CostModel({n: 1e-3 + 1e-5 * n for n in sizes}, {b: 1e-4 for b in (1, 2, 3)},
+        spec.costs = CostModel({n: 1e-3 + 1e-5 * n for n in sizes}, {b: 2e-3 for b in (1, 2, 3)},
                                {m: 0.0 for m in sizes}, padded=False)
         engine.runner.call_log = None
         spec.probes = ProbeSchedule(engine.cache.n_slots, start=10 ** 9, cap=10 ** 9)
