@@ -42,8 +42,9 @@ def _rejecting(engine: Engine) -> None:
     """`engine`'s drafter rejected many times. Unfused (CPU): priced by fixed costs, no timed calls and no
     probes, so every choice is a plain step whatever host work this machine measures per step (up to ~50 ms),
     and, once the drafter is believed perfect (`_believe(engine, 7, 60)`), a round. The draft call costs 2 ms:
-    with 0.1 ms, a loaded machine's host work made the rejected drafter's ~0.03 expected tokens look worth a
-    round. Fused rounds (CUDA graphs): the costs it measured, probes included."""
+    with 0.1 ms, the host work learnt from the measured steps (their time beyond the fixed 1 ms forward, a few
+    ms each on a 2-core CPU) made the rejected drafter's ~0.03 expected tokens look worth a round now and then.
+    Fused rounds (CUDA graphs): the costs it measured, probes included."""
     spec = engine.spec
     _believe(engine, 0, 30)
     if not engine.config.fused:
