@@ -90,7 +90,7 @@ def check_memory(cfg: MuseGlimmerConfig, shapes: dict[str, tuple[int, int]], tok
         per_layer[layer] = per_layer.get(layer, 0) + 12 * k * k
     widest = max((k for _, k in shapes.values()), default=0)
     largest = max((n * k for n, k in shapes.values()), default=0)
-    layer_weights = 4 * (cfg.qkvg_rows * cfg.dim + cfg.n_heads * cfg.head_dim * cfg.dim + 3 * cfg.ffn_dim * cfg.dim)
+    layer_weights = 4 * cfg.layer_params()
     stream = 4 * tokens * cfg.dim
     rounding = 9 * largest if device == "cuda" else 0
     need = stream + layer_weights + max(per_layer.values(), default=0) + max(24 * widest * widest, rounding)
@@ -191,8 +191,7 @@ class InputStatistics:
     def _run(self, i: int, names: dict[str, int]) -> dict[str, torch.Tensor]:
         """Layer i over every window (the stream advances to layer i + 1), gathering the statistics of `names`;
         i = n_layers: the head's inputs only."""
-        from .model import Block, RMSNorm, rope_tables
-        from .reference import dense_attend
+        from .model import RMSNorm
 
         cfg, device = self.cfg, self.device
         sums = {n: torch.zeros(k, k, dtype=torch.float64, device=device) for n, k in names.items()}
@@ -210,30 +209,37 @@ class InputStatistics:
                                        _float_module(lambda: RMSNorm(cfg.dim, cfg.norm_eps))).to(device)
                     for x in self._x:
                         gather("output", norm(x))
-                self._next = i + 1
-                return {n: sums[n] / max(rows[n], 1) for n in names}
-            block = materialize(_Prefixed(self.weights, f"layers.{i}."), _float_module(lambda: Block(cfg, i))).to(device)
-            modules = dict(block.named_modules())
-            prefix = f"layers.{i}."
-            handles = [modules[n[len(prefix):]].register_forward_hook(lambda _m, inputs, _o, n=n: gather(n, inputs[0]))
-                       for n in names]
-            t = self.tokens.shape[1]
-            positions, slots = torch.arange(t, device=device), torch.zeros(t, dtype=torch.long, device=device)
-            rope = rope_tables(positions, block.attn.inv_freq) if block.attn.use_rope else None
-            attend = dense_attend(cfg)  # one window at a time, whole: no cache
-            try:
-                for w in range(self._x.shape[0]):
-                    self._x[w] = block(self._x[w], positions, slots, attend, rope)
-            finally:
-                for h in handles:
-                    h.remove()
+            else:
+                self._layer(i, names, gather)
         self._next = i + 1
+        return {n: sums[n] / max(rows[n], 1) for n in names}
+
+    def _layer(self, i: int, names: dict[str, int], gather: Callable[[str, torch.Tensor], None]) -> None:
+        """Layer i over every window, the stream advanced in place; `gather(name, x)` sees the inputs of `names`."""
+        from .model import Block, rope_tables
+        from .reference import dense_attend
+
+        cfg, device = self.cfg, self.device
+        block = materialize(_Prefixed(self.weights, f"layers.{i}."), _float_module(lambda: Block(cfg, i))).to(device)
+        modules = dict(block.named_modules())
+        prefix = f"layers.{i}."
+        handles = [modules[n[len(prefix):]].register_forward_hook(lambda _m, inputs, _o, n=n: gather(n, inputs[0]))
+                   for n in names]
+        t = self.tokens.shape[1]
+        positions, slots = torch.arange(t, device=device), torch.zeros(t, dtype=torch.long, device=device)
+        rope = rope_tables(positions, block.attn.inv_freq) if block.attn.use_rope else None
+        attend = dense_attend(cfg)  # one window at a time, whole: no cache
+        try:
+            for w in range(self._x.shape[0]):
+                self._x[w] = block(self._x[w], positions, slots, attend, rope)
+        finally:
+            for h in handles:
+                h.remove()
         elapsed = time.perf_counter() - self._t0
-        left = self._last + 1 - self._next  # layers still to run: at the export's pace so far (its writing included)
-        eta = f", about {elapsed / self._next * left / 60:.0f} min to the last calibrated layer" if left > 0 else ""
+        left = self._last - i  # layers still to run: at the export's pace so far (its writing included)
+        eta = f", about {elapsed / (i + 1) * left / 60:.0f} min to the last calibrated layer" if left > 0 else ""
         self.progress(f"calibration: layer {i + 1}/{cfg.n_layers} over {self._x.shape[0]} windows "
                       f"({elapsed:.0f}s{eta})")
-        return {n: sums[n] / max(rows[n], 1) for n in names}
 
 
 def input_hessians(cfg: MuseGlimmerConfig, weights: WeightSource, names: dict[str, int],

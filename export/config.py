@@ -72,10 +72,13 @@ class MuseGlimmerConfig:
     def qkvg_rows(self) -> int:
         return (2 * self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
+    def layer_params(self) -> int:
+        """Parameters of one layer: its four linears and four norms."""
+        return (self.qkvg_rows * self.dim + self.dim * self.n_heads * self.head_dim
+                + 3 * self.ffn_dim * self.dim + 4 * self.dim)
+
     def n_params(self) -> int:
-        per_layer = (self.qkvg_rows * self.dim + self.dim * self.n_heads * self.head_dim
-                     + 3 * self.ffn_dim * self.dim + 4 * self.dim)
-        return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
+        return self.n_layers * self.layer_params() + 2 * self.vocab_size * self.dim + self.dim
 
     def to_json_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

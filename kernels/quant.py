@@ -146,10 +146,8 @@ def gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str
     column by column within a sub-block of `GPTQ_SUB_BLOCK` columns, as one product to the rest of the block
     (a scale group for int4, 128 columns for int8), as one product to the columns after the block. The same
     sums as the column-by-column loop, in another order."""
-    if w.is_cuda:  # its products in full precision, whatever the process set
-        with cuda_fp32_matmuls(False):
-            return _gptq(w, factor, scheme, group_size)
-    return _gptq(w, factor, scheme, group_size)
+    with cuda_fp32_matmuls(False):  # on CUDA its products in full precision, whatever the process set
+        return _gptq(w, factor, scheme, group_size)
 
 
 def _gptq(w: torch.Tensor, factor: tuple[torch.Tensor, torch.Tensor], scheme: str,
