@@ -156,6 +156,9 @@ class InputStatistics:
         self.cfg, self.weights, self.names, self.progress = cfg, weights, dict(names), progress
         self.device = torch.device(device)
         self.tokens = torch.tensor(windows, dtype=torch.long)  # [W, T]
+        if self.tokens.numel() and not 0 <= int(self.tokens.min()) <= int(self.tokens.max()) < cfg.vocab_size:
+            raise CalibrationError(f"--calibration: token ids {int(self.tokens.min())}..{int(self.tokens.max())}; "
+                                   f"allowed: 0..{cfg.vocab_size - 1} (the model's vocabulary)")
         self._x: Optional[torch.Tensor] = None  # the residual stream entering layer self._next
         self._next = 0
         self._last = max((_layer_of(n, cfg.n_layers) for n in names), default=-1)  # no stream needed after it
