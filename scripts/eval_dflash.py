@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from script_common import add_overlap_arg, overlap_value  # noqa: E402
 
 
-def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: int) -> Path:
+def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: int, dtype: str | None = None) -> Path:
     from mg.export.artifact import PRESET_SEED, ExportOptions, export_artifact, load_target
     from mg.export.draft_lower import load_draft
 
@@ -40,7 +40,7 @@ def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: i
     draft = load_draft(draft_checkpoint, None if draft_checkpoint else "tiny", target.cfg, PRESET_SEED)
     opts = ExportOptions(output_dir=out, layout=layout, max_seqs=8 if layout == "sequence" else None,
                          max_cells=8 * max_context if layout == "cell" else None, max_context=max_context,
-                         max_write=128, force=True)
+                         max_write=128, force=True, dtype=dtype)
     export_artifact(opts, target, lambda msg: print(f"  [export {layout}] {msg}", file=sys.stderr), draft)
     return out
 
@@ -252,6 +252,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the export's float dtype (mg-export --dtype) [default: the checkpoint's]")
     p.add_argument("--speculation", default="adaptive,fixed", help="comma-separated: adaptive, fixed")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per measurement, target-only and DFlash interleaved; the fastest is kept")
@@ -271,12 +273,14 @@ def main() -> int:
         from mg.export.artifact import default_checkpoints
 
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
-    results = {"device": args.device, "prompts": str(args.prompts), "max_new_tokens": args.max_new_tokens,
+    results = {"device": args.device, "dtype": args.dtype or "checkpoint's", "prompts": str(args.prompts),
+               "max_new_tokens": args.max_new_tokens,
                "speculation": args.speculation.split(","), "overlap": args.overlap, "layouts": {}}
     traces = {}
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
-            art = _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / layout, args.max_context)
+            art = _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / layout, args.max_context,
+                          args.dtype)
             traces[layout] = {} if args.trace is not None else None
             results["layouts"][layout] = evaluate_layout(art, args.prompts, args.max_new_tokens, args.device,
                                                          args.speculation.split(","), args.repeats, traces[layout],
