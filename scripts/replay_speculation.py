@@ -1,0 +1,243 @@
+"""Adaptive speculation replayed without a clock: the runtime's own draft choice (`Speculator.choose`, its
+acceptance estimates and probes) driven by the drafts each round would have accepted, with step times from
+fixed cost tables. Two runs give the same numbers, so changes to the estimates or the probes can be compared on
+a machine whose timed runs move by more than the change (the 2-core CPU's `eval_dflash.py` runs move by 10-40%).
+
+For each prompt of `--prompts`: the target's greedy continuation (`--max-new-tokens`) and, at every position,
+how many of the drafter's block - 1 drafts anchored there agree with it (the eager replay of
+`scripts/train_tiny.py`, which `tests/test_embedded_default.py` checks against the engine's rounds). Then each
+prompt alone, as `eval_dflash.py` serves it: the speculator of a real engine on an export of the checkpoints
+(CPU, separate calls, no fused rounds) is asked `choose` every step, takes the drafts the text accepts, and is
+told `observe` and `step_done` with the step's time from the engine's cost tables (measured when the engine
+started, kept fixed: `forward` at the step's rows, `draft_block`, and `draft_append` of the rows committed
+since the sequence last drafted) plus a fixed host time per kind of step. Target-only makes the same tokens in
+plain steps at its own host time. The prompts run `--passes` times in one engine (the global estimates carry
+over between prompts, as in `eval_dflash.py`'s repeated runs); the last pass is reported, for `--orders`
+orders of the prompts (the first: the file's).
+
+Left out: prompt processing (the same with or without DFlash), the engine's step work beyond the host times
+given, and the waiting context rows in the choice (their append is timed; the choice here prices it at zero).
+Estimator settings can be changed for an experiment (`--prior`, `--strength`, `--decay`, `--probe-budget`).
+
+    python scripts/replay_speculation.py --out replay.json
+    python scripts/replay_speculation.py --probe-budget 0.2 --orders 10 --out replay_budget.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _train_tiny():
+    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+def accepted_per_position(target_dir: Path, draft_dir: Path, prompts: list[tuple[str, list[int]]],
+                          max_new: int) -> dict[str, dict]:
+    """{prompt id: {"text": prompt + greedy continuation, "prompt_tokens": n, "accept": [drafts the text accepts
+    from a round anchored at each position n .. n + max_new - 2]}} (eager float32 references, CPU)."""
+    import torch
+
+    from mg.export.artifact import load_target
+    from mg.export.draft_lower import load_draft
+    from mg.export.draft_model import DFlashDraft
+    from mg.export.model import MuseGlimmer
+    from mg.export.weights import materialize
+
+    tt = _train_tiny()
+    target_src = load_target(target_dir, None)
+    draft_src = load_draft(draft_dir, None, target_src.cfg)
+    target = materialize(target_src.weights, MuseGlimmer(target_src.cfg)).float().eval()
+    draft = materialize(draft_src.weights, DFlashDraft(draft_src.cfg, target_src.cfg)).float().eval()
+    out = {}
+    with torch.no_grad():
+        for i, (rel, ids) in enumerate(prompts):
+            seq = tt.greedy_extend(target, torch.tensor([ids]), max_new)
+            anchors = torch.arange(len(ids), seq.shape[1] - 1)[None]
+            drafted = tt.draft_proposals(target, draft, seq, anchors)[0]
+            text, last = seq[0], seq.shape[1] - 1
+            accept = []
+            for j, p in enumerate(range(len(ids), last)):
+                avail = min(drafted.shape[1], last - p - 1)  # as the engine: no draft past the text's end
+                accept.append(int((drafted[j, :avail] == text[p + 1:p + 1 + avail]).int().cumprod(0).sum()))
+            out[rel] = {"text": text.tolist(), "prompt_tokens": len(ids), "accept": accept}
+            print(f"  acceptance per position: {i + 1}/{len(prompts)} {rel}", file=sys.stderr)
+    return out
+
+
+def replay_prompt(spec, slot: int, text: list[int], prompt_tokens: int, accept: list[int], max_new: int,
+                  host: dict[str, float]) -> dict:
+    """One prompt alone through `spec`'s choice; -> its DFlash time, target-only time, rounds and tokens."""
+    from mg.runtime.scheduler import Request, Sequence
+
+    c = spec.costs
+    request = Request(f"replay-{slot}", tuple(text[:prompt_tokens]), max_new)
+    seq = Sequence(request, slot, list(text[:prompt_tokens + 1]), n_cached=prompt_tokens)  # prefill made one
+    spec.release(slot)  # a fresh sequence in this slot: its estimates and probe clock start over
+    waiting, seconds, rounds, accepted_total, hist = prompt_tokens, 0.0, 0, 0, []
+    while seq.n_generated < max_new:
+        k = spec.choose([seq], spec.runner.cache.max_write)[0]
+        a = min(k, accept[seq.n_cached - prompt_tokens])
+        if k:
+            calls = c.forward(1 + k) + c.draft(1)
+            spec.observe(seq, k, a)
+            spec.step_done(calls + host["drafting"], 1 + k)  # the choice prices appends itself; timed apart
+            seconds += calls + host["drafting"] + c.append(waiting)
+            waiting, rounds, accepted_total = 1 + a, rounds + 1, accepted_total + a
+        else:
+            spec.observe(seq, 0, 0)
+            spec.step_done(c.forward(1) + host["plain"], 1)
+            seconds += c.forward(1) + host["plain"]
+            waiting += 1
+        hist.extend([0] * (k + 1 - len(hist)))
+        hist[k] += 1
+        seq.tokens.extend(text[len(seq.tokens):len(seq.tokens) + 1 + a])
+        seq.n_cached += 1 + a
+    target_only = (max_new - 1) * (c.forward(1) + host["target_only"])
+    return {"dflash_s": seconds, "target_only_s": target_only, "speedup": target_only / seconds, "rounds": rounds,
+            "acceptance_length": (accepted_total + rounds) / rounds if rounds else 0.0, "chosen_k_hist": hist}
+
+
+def replay(spec, oracle: dict[str, dict], order: list[str], max_new: int, host: dict[str, float],
+           passes: int) -> dict[str, dict]:
+    """Every prompt of `order`, `passes` times in one speculator (slot 0, one at a time); -> the last pass's
+    result per prompt."""
+    out = {}
+    for _ in range(passes):
+        for rel in order:
+            o = oracle[rel]
+            out[rel] = replay_prompt(spec, 0, o["text"], o["prompt_tokens"], o["accept"], max_new, host)
+    return out
+
+
+def fresh_estimates(spec, prior: float | None, strength: float | None, decay: float | None) -> None:
+    """New acceptance estimates (global ones of their own, not shared with other engines) and probe clocks."""
+    from mg.runtime.speculative import AcceptanceModel, ProbeSchedule
+
+    kwargs = {k: v for k, v in (("prior", prior), ("strength", strength), ("decay", decay)) if v is not None}
+    n_slots = spec.runner.cache.n_slots
+    spec.acceptance = AcceptanceModel(n_slots, spec.block - 1, **kwargs)
+    spec.probes = ProbeSchedule(n_slots)
+    spec._kept = None
+
+
+def summary(results: dict[str, dict]) -> dict:
+    s = [r["speedup"] for r in results.values()]
+    return {"median": statistics.median(s), "min": min(s), "geomean": math.exp(statistics.mean(map(math.log, s))),
+            "total": sum(r["target_only_s"] for r in results.values()) / sum(r["dflash_s"] for r in results.values()),
+            "rounds": sum(r["rounds"] for r in results.values())}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=None, help="target checkpoint [default: embedded default]")
+    p.add_argument("--draft-checkpoint", type=Path, default=None)
+    p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--passes", type=int, default=2, help="passes over the prompts per order; the last is reported")
+    p.add_argument("--orders", type=int, default=1, help="orders of the prompts (the first: the file's)")
+    p.add_argument("--host-us", default="30,38,50",
+                   help="host microseconds of a target-only step, a DFlash plain step and a step with drafts "
+                        "(scripts/bench_host_step.py on a 2-core CPU: about 30, 38 and 41-50) [default: 30,38,50]")
+    p.add_argument("--prior", type=float, default=None, help="AcceptanceModel prior [default: the runtime's]")
+    p.add_argument("--strength", type=float, default=None, help="AcceptanceModel strength [default: the runtime's]")
+    p.add_argument("--decay", type=float, default=None, help="AcceptanceModel decay [default: the runtime's]")
+    p.add_argument("--probe-budget", type=float, default=None, help="PROBE_BUDGET [default: the runtime's]")
+    p.add_argument("--oracle", type=Path, default=None,
+                   help="read the acceptance per position from this JSON (written by an earlier --out) instead of "
+                        "computing it")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    try:
+        host_us = [float(x) for x in args.host_us.split(",")]
+    except ValueError:
+        host_us = []
+    if len(host_us) != 3 or min(host_us) < 0:
+        p.error(f"--host-us is {args.host_us!r}; allowed: three numbers >= 0 (target-only, plain, drafting)")
+    if args.max_new_tokens < 2 or args.passes < 1 or args.orders < 1:
+        p.error(f"--max-new-tokens {args.max_new_tokens}, --passes {args.passes}, --orders {args.orders}; allowed: "
+                f"--max-new-tokens >= 2, --passes >= 1, --orders >= 1")
+    if args.probe_budget is not None and not args.probe_budget > 0:
+        p.error(f"--probe-budget is {args.probe_budget}; allowed: a number > 0")
+    host = dict(zip(("target_only", "plain", "drafting"), (h * 1e-6 for h in host_us)))
+
+    from mg.kernels.quiet import quiet_dependencies
+
+    quiet_dependencies()
+    import eval_dflash
+    from mg.export.artifact import default_checkpoints
+    from mg.runtime import speculative
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.config import RunConfig
+    from mg.runtime.engine import Engine
+    from mg.runtime.tokenizer import TextCodec
+
+    if args.checkpoint is None:
+        args.checkpoint, args.draft_checkpoint = default_checkpoints()
+    if args.probe_budget is not None:
+        speculative.PROBE_BUDGET = args.probe_budget  # read by the speculator at every choice
+    rows = [json.loads(line) for line in args.prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    tmp = tempfile.TemporaryDirectory()  # the export lives as long as the engine reading it
+    artifact = load_artifact(eval_dflash._export(args.checkpoint, args.draft_checkpoint, "sequence",
+                                                 Path(tmp.name) / "sequence", 1024))
+    engine = Engine(artifact, RunConfig(speculation="adaptive"))  # measures (or reads) the cost tables
+    spec = engine.spec
+    spec.runner.call_log = None  # no timed calls: the tables stay as measured
+    c = spec.costs
+    if args.oracle is not None:
+        oracle = json.loads(args.oracle.read_text(encoding="utf-8"))["oracle"]
+    else:
+        codec = TextCodec(artifact.tokenizer_path, artifact.manifest.model.bos_id)
+        prompts = [(r["id"], codec.encode(r["prompt"])) for r in rows]
+        oracle = accepted_per_position(args.checkpoint, args.draft_checkpoint, prompts, args.max_new_tokens)
+    order0 = [r["id"] for r in rows]
+    runs = []
+    for i in range(args.orders):
+        order = list(order0)
+        if i:
+            random.Random(i).shuffle(order)
+        fresh_estimates(spec, args.prior, args.strength, args.decay)
+        results = replay(spec, oracle, order, args.max_new_tokens, host, args.passes)
+        runs.append({"order": order, "summary": summary(results), "per_prompt": results})
+    tables = {name: {n: c.forward(n) if name == "forward" else c.draft(n) if name == "draft" else c.append(n)
+                     for n in (1, 2, 4, 8, 16)} for name in ("forward", "draft", "append")}
+    first = runs[0]
+    lines = ["| prompt | target-only ms | DFlash ms | speed-up | rounds | acceptance length |", "|---|---|---|---|---|---|"]
+    for rel in order0:
+        r = first["per_prompt"][rel]
+        lines.append(f"| {rel} | {r['target_only_s'] * 1e3:.1f} | {r['dflash_s'] * 1e3:.1f} | {r['speedup']:.2f}x | "
+                     f"{r['rounds']} | {r['acceptance_length']:.2f} |")
+    agg = {k: [run["summary"][k] for run in runs] for k in ("median", "min", "geomean", "total")}
+    lines.append("")
+    lines.append(f"single-prompt speed-up over {args.orders} order(s): median {statistics.mean(agg['median']):.3f}x, "
+                 f"min {statistics.mean(agg['min']):.3f}x (worst order {min(agg['min']):.3f}x), geometric mean "
+                 f"{statistics.mean(agg['geomean']):.3f}x, total time {statistics.mean(agg['total']):.3f}x")
+    lines.append("cost tables (ms, at 1/2/4/8/16): " + "; ".join(
+        f"{name} " + "/".join(f"{t * 1e3:.2f}" for t in table.values()) for name, table in tables.items()))
+    print("\n".join(lines))
+    settings = {"prior": args.prior, "strength": args.strength, "decay": args.decay,
+                "probe_budget": speculative.PROBE_BUDGET, "host_us": host_us, "passes": args.passes,
+                "max_new_tokens": args.max_new_tokens}
+    args.out.write_text(json.dumps({"settings": settings, "tables": tables, "aggregate": agg, "runs": runs,
+                                    "oracle": oracle}) + "\n")
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
