@@ -165,7 +165,7 @@ class AcceptanceModel:
     drafter achieves on this program is not a property of one engine: a new engine starts from what earlier
     ones saw, not from the prior)."""
 
-    def __init__(self, n_slots: int, k_max: int, prior: float = 0.6, strength: float = 3.0, decay: float = 0.8,
+    def __init__(self, n_slots: int, k_max: int, prior: float = 0.6, strength: float = 1.5, decay: float = 0.9,
                  global_decay: float = 0.98, global_counts: Optional[tuple[list, list]] = None):
         self.k_max, self.prior, self.strength = k_max, prior, strength
         self.decay, self.global_decay = decay, global_decay
