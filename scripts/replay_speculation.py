@@ -113,6 +113,47 @@ def replay_prompt(spec, slot: int, text: list[int], prompt_tokens: int, accept: 
             "acceptance_length": (accepted_total + rounds) / rounds if rounds else 0.0, "chosen_k_hist": hist}
 
 
+def replay_batch(spec, prompts: list[dict], max_new: int, host: dict[str, float]) -> dict:
+    """`prompts` served together, one slot each from 0, all admitted at once (prompt processing left out):
+    every step the choice for all sequences still decoding; a finished one leaves the batch. Target-only runs the
+    same sequences in lockstep. -> both times, the speed-up and the rounds."""
+    from mg.runtime.scheduler import Request, Sequence
+
+    c = spec.costs
+    seqs, waiting = [], []
+    for slot, o in enumerate(prompts):
+        n = o["prompt_tokens"]
+        seqs.append(Sequence(Request(f"replay-{slot}", tuple(o["text"][:n]), max_new), slot, list(o["text"][:n + 1]),
+                             n_cached=n))
+        waiting.append(n)
+        spec.release(slot)
+    seconds, rounds = 0.0, 0
+    while True:
+        decode = [i for i, s in enumerate(seqs) if s.n_generated < max_new]
+        if not decode:
+            break
+        ks = spec.choose([seqs[i] for i in decode], spec.runner.cache.max_write)
+        drafting = [i for i, k in zip(decode, ks) if k]
+        rows = len(decode) + sum(ks)
+        calls = c.forward(rows) + (c.draft(len(drafting)) if drafting else 0.0)
+        kind_host = host["drafting"] if drafting else host["plain"]
+        seconds += calls + kind_host + (c.append(sum(waiting[i] for i in drafting)) if drafting else 0.0)
+        for i, k in zip(decode, ks):
+            s, o = seqs[i], prompts[i]
+            a = min(k, o["accept"][s.n_cached - o["prompt_tokens"]])
+            spec.observe(s, k, a)
+            s.tokens.extend(o["text"][len(s.tokens):len(s.tokens) + 1 + a])
+            s.n_cached += 1 + a
+            waiting[i] = 1 + a if k else waiting[i] + 1
+            rounds += bool(k)
+        spec.step_done(calls + kind_host, rows)
+        for i in decode:
+            if seqs[i].n_generated >= max_new:
+                spec.release(seqs[i].slot)
+    target_only = (max_new - 1) * (c.forward(len(prompts)) + host["target_only"])
+    return {"dflash_s": seconds, "target_only_s": target_only, "speedup": target_only / seconds, "rounds": rounds}
+
+
 def replay(spec, oracle: dict[str, dict], order: list[str], max_new: int, host: dict[str, float],
            passes: int) -> dict[str, dict]:
     """Every prompt of `order`, `passes` times in one speculator (slot 0, one at a time); -> the last pass's
@@ -151,6 +192,9 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--passes", type=int, default=2, help="passes over the prompts per order; the last is reported")
     p.add_argument("--orders", type=int, default=1, help="orders of the prompts (the first: the file's)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="also serve the prompts in batches of this many at once, in each order's order (at most the "
+                        "export's 8 sequences; 0: single prompts only) [default: 8]")
     p.add_argument("--host-us", default="30,38,50",
                    help="host microseconds of a target-only step, a DFlash plain step and a step with drafts "
                         "(scripts/bench_host_step.py on a 2-core CPU: about 30, 38 and 41-50) [default: 30,38,50]")
@@ -172,6 +216,8 @@ def main() -> int:
     if args.max_new_tokens < 2 or args.passes < 1 or args.orders < 1:
         p.error(f"--max-new-tokens {args.max_new_tokens}, --passes {args.passes}, --orders {args.orders}; allowed: "
                 f"--max-new-tokens >= 2, --passes >= 1, --orders >= 1")
+    if not 0 <= args.batch <= 8:
+        p.error(f"--batch is {args.batch}; allowed: an integer in [0, 8] (the sequences the export serves at once)")
     if args.probe_budget is not None and not args.probe_budget > 0:
         p.error(f"--probe-budget is {args.probe_budget}; allowed: a number > 0")
     host = dict(zip(("target_only", "plain", "drafting"), (h * 1e-6 for h in host_us)))
@@ -213,7 +259,13 @@ def main() -> int:
             random.Random(i).shuffle(order)
         fresh_estimates(spec, args.prior, args.strength, args.decay)
         results = replay(spec, oracle, order, args.max_new_tokens, host, args.passes)
-        runs.append({"order": order, "summary": summary(results), "per_prompt": results})
+        run = {"order": order, "summary": summary(results), "per_prompt": results}
+        if args.batch:
+            batches = [replay_batch(spec, [oracle[rel] for rel in order[j:j + args.batch]], args.max_new_tokens, host)
+                       for j in range(0, len(order), args.batch)]
+            run["batches"] = batches
+            run["summary"]["batched"] = sum(b["target_only_s"] for b in batches) / sum(b["dflash_s"] for b in batches)
+        runs.append(run)
     tables = {name: {n: c.forward(n) if name == "forward" else c.draft(n) if name == "draft" else c.append(n)
                      for n in (1, 2, 4, 8, 16)} for name in ("forward", "draft", "append")}
     first = runs[0]
@@ -222,15 +274,19 @@ def main() -> int:
         r = first["per_prompt"][rel]
         lines.append(f"| {rel} | {r['target_only_s'] * 1e3:.1f} | {r['dflash_s'] * 1e3:.1f} | {r['speedup']:.2f}x | "
                      f"{r['rounds']} | {r['acceptance_length']:.2f} |")
-    agg = {k: [run["summary"][k] for run in runs] for k in ("median", "min", "geomean", "total")}
+    agg = {k: [run["summary"][k] for run in runs] for k in ("median", "min", "geomean", "total", "batched")
+           if k in runs[0]["summary"]}
     lines.append("")
     lines.append(f"single-prompt speed-up over {args.orders} order(s): median {statistics.mean(agg['median']):.3f}x, "
                  f"min {statistics.mean(agg['min']):.3f}x (worst order {min(agg['min']):.3f}x), geometric mean "
                  f"{statistics.mean(agg['geomean']):.3f}x, total time {statistics.mean(agg['total']):.3f}x")
+    if "batched" in agg:
+        lines.append(f"batches of {args.batch}: speed-up {statistics.mean(agg['batched']):.3f}x (worst "
+                     f"order {min(agg['batched']):.3f}x)")
     lines.append("cost tables (ms, at 1/2/4/8/16): " + "; ".join(
         f"{name} " + "/".join(f"{t * 1e3:.2f}" for t in table.values()) for name, table in tables.items()))
     print("\n".join(lines))
-    settings = {"prior": args.prior, "strength": args.strength, "decay": args.decay,
+    settings = {"prior": args.prior, "strength": args.strength, "decay": args.decay, "batch": args.batch,
                 "probe_budget": speculative.PROBE_BUDGET, "host_us": host_us, "passes": args.passes,
                 "max_new_tokens": args.max_new_tokens}
     args.out.write_text(json.dumps({"settings": settings, "tables": tables, "aggregate": agg, "runs": runs,

@@ -78,6 +78,19 @@ def test_replay_drafts_where_the_text_is_predictable_and_commits_exactly_the_bud
     assert good["target_only_s"] == bad["target_only_s"] == pytest.approx((MAX_NEW - 1) * (1.1e-3 + 30e-6))
 
 
+def test_a_replayed_batch_drafts_where_the_texts_are_predictable(spec):
+    every = [_oracle(lambda i, avail: avail) for _ in range(3)]
+    good = rs.replay_batch(spec, every, MAX_NEW, HOST)
+    assert good["rounds"] > 0 and good["speedup"] > 1.5
+    for slot in range(3):  # estimates that learnt the drafter is always wrong
+        for _ in range(30):
+            spec.acceptance.observe(slot, 7, 0)
+    never = [_oracle(lambda i, avail: 0) for _ in range(3)]
+    bad = rs.replay_batch(spec, never, MAX_NEW, HOST)
+    assert 0.8 < bad["speedup"] <= 1.0 and bad["rounds"] <= 3 * 4
+    assert good["target_only_s"] == bad["target_only_s"] == pytest.approx((MAX_NEW - 1) * (1.3e-3 + 30e-6))
+
+
 def test_replay_gives_the_same_numbers_twice(spec):
     oracle = {f"p{j}": _oracle(lambda i, avail, j=j: avail if (i + j) % 3 else 0) for j in range(3)}
     runs = []
@@ -91,6 +104,7 @@ def test_replay_gives_the_same_numbers_twice(spec):
 @pytest.mark.parametrize("args,message", [
     (["--host-us", "30,40"], "--host-us is '30,40'; allowed: three numbers >= 0 (target-only, plain, drafting)"),
     (["--orders", "0"], "allowed: --max-new-tokens >= 2, --passes >= 1, --orders >= 1"),
+    (["--batch", "9"], "--batch is 9; allowed: an integer in [0, 8] (the sequences the export serves at once)"),
     (["--probe-budget", "0"], "--probe-budget is 0.0; allowed: a number > 0"),
 ])
 def test_replay_refuses_bad_input_in_one_line(tmp_path, args, message):
