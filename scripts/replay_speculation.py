@@ -26,7 +26,6 @@ Estimator settings can be changed for an experiment (`--prior`, `--strength`, `-
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import random
@@ -37,14 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def _train_tiny():
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules[spec.name]
 
 
 def accepted_per_position(target_dir: Path, draft_dir: Path, prompts: list[tuple[str, list[int]]],
@@ -59,7 +50,7 @@ def accepted_per_position(target_dir: Path, draft_dir: Path, prompts: list[tuple
     from mg.export.model import MuseGlimmer
     from mg.export.weights import materialize
 
-    tt = _train_tiny()
+    import train_tiny as tt
     target_src = load_target(target_dir, None)
     draft_src = load_draft(draft_dir, None, target_src.cfg)
     target = materialize(target_src.weights, MuseGlimmer(target_src.cfg)).float().eval()
@@ -80,43 +71,13 @@ def accepted_per_position(target_dir: Path, draft_dir: Path, prompts: list[tuple
     return out
 
 
-def replay_prompt(spec, slot: int, text: list[int], prompt_tokens: int, accept: list[int], max_new: int,
-                  host: dict[str, float]) -> dict:
-    """One prompt alone through `spec`'s choice; -> its DFlash time, target-only time, rounds and tokens."""
-    from mg.runtime.scheduler import Request, Sequence
-
-    c = spec.costs
-    request = Request(f"replay-{slot}", tuple(text[:prompt_tokens]), max_new)
-    seq = Sequence(request, slot, list(text[:prompt_tokens + 1]), n_cached=prompt_tokens)  # prefill made one
-    spec.release(slot)  # a fresh sequence in this slot: its estimates and probe clock start over
-    waiting, seconds, rounds, accepted_total, hist = prompt_tokens, 0.0, 0, 0, []
-    while seq.n_generated < max_new:
-        k = spec.choose([seq], spec.runner.cache.max_write)[0]
-        a = min(k, accept[seq.n_cached - prompt_tokens])
-        if k:
-            calls = c.forward(1 + k) + c.draft(1)
-            spec.observe(seq, k, a)
-            spec.step_done(calls + host["drafting"], 1 + k)  # the choice prices appends itself; timed apart
-            seconds += calls + host["drafting"] + c.append(waiting)
-            waiting, rounds, accepted_total = 1 + a, rounds + 1, accepted_total + a
-        else:
-            spec.observe(seq, 0, 0)
-            spec.step_done(c.forward(1) + host["plain"], 1)
-            seconds += c.forward(1) + host["plain"]
-            waiting += 1
-        hist.extend([0] * (k + 1 - len(hist)))
-        hist[k] += 1
-        seq.tokens.extend(text[len(seq.tokens):len(seq.tokens) + 1 + a])
-        seq.n_cached += 1 + a
-    target_only = (max_new - 1) * (c.forward(1) + host["target_only"])
-    return {"dflash_s": seconds, "target_only_s": target_only, "speedup": target_only / seconds, "rounds": rounds,
-            "acceptance_length": (accepted_total + rounds) / rounds if rounds else 0.0, "chosen_k_hist": hist}
-
-
 def replay_batch(spec, prompts: list[dict], max_new: int, host: dict[str, float]) -> dict:
-    """`prompts` served together, one slot each from 0, all admitted at once (prompt processing left out):
-    every step the choice for all sequences still decoding; a finished one leaves the batch. Target-only runs the
-    same sequences in lockstep. -> both times, the speed-up and the rounds."""
+    """`prompts` ({"text", "prompt_tokens", "accept"} each) served together, one slot each from 0, all admitted at
+    once (prompt processing left out; one prompt: served alone): every step the choice for all sequences still
+    decoding, the drafts their texts accept, and the step's time from the tables (`forward` at its rows,
+    `draft_block` at the drafting sequences and `draft_append` of their rows committed since they last drafted,
+    plus the host time of its kind); a finished sequence leaves the batch. Target-only runs the same sequences in
+    lockstep. -> both times, the speed-up, the rounds, their acceptance length and the chosen-k histogram."""
     from mg.runtime.scheduler import Request, Sequence
 
     c = spec.costs
@@ -124,10 +85,10 @@ def replay_batch(spec, prompts: list[dict], max_new: int, host: dict[str, float]
     for slot, o in enumerate(prompts):
         n = o["prompt_tokens"]
         seqs.append(Sequence(Request(f"replay-{slot}", tuple(o["text"][:n]), max_new), slot, list(o["text"][:n + 1]),
-                             n_cached=n))
+                             n_cached=n))  # the prefill made one token
         waiting.append(n)
-        spec.release(slot)
-    seconds, rounds = 0.0, 0
+        spec.release(slot)  # a fresh sequence in this slot: its estimates and probe clock start over
+    seconds, rounds, accepted, hist = 0.0, 0, 0, []
     while True:
         decode = [i for i, s in enumerate(seqs) if s.n_generated < max_new]
         if not decode:
@@ -145,13 +106,16 @@ def replay_batch(spec, prompts: list[dict], max_new: int, host: dict[str, float]
             s.tokens.extend(o["text"][len(s.tokens):len(s.tokens) + 1 + a])
             s.n_cached += 1 + a
             waiting[i] = 1 + a if k else waiting[i] + 1
-            rounds += bool(k)
-        spec.step_done(calls + kind_host, rows)
+            rounds, accepted = rounds + bool(k), accepted + a
+            hist.extend([0] * (k + 1 - len(hist)))
+            hist[k] += 1
+        spec.step_done(calls + kind_host, rows)  # the choice prices appends itself; timed apart above
         for i in decode:
             if seqs[i].n_generated >= max_new:
                 spec.release(seqs[i].slot)
     target_only = (max_new - 1) * (c.forward(len(prompts)) + host["target_only"])
-    return {"dflash_s": seconds, "target_only_s": target_only, "speedup": target_only / seconds, "rounds": rounds}
+    return {"dflash_s": seconds, "target_only_s": target_only, "speedup": target_only / seconds, "rounds": rounds,
+            "acceptance_length": (accepted + rounds) / rounds if rounds else 0.0, "chosen_k_hist": hist}
 
 
 def replay(spec, oracle: dict[str, dict], order: list[str], max_new: int, host: dict[str, float],
@@ -161,8 +125,7 @@ def replay(spec, oracle: dict[str, dict], order: list[str], max_new: int, host: 
     out = {}
     for _ in range(passes):
         for rel in order:
-            o = oracle[rel]
-            out[rel] = replay_prompt(spec, 0, o["text"], o["prompt_tokens"], o["accept"], max_new, host)
+            out[rel] = replay_batch(spec, [oracle[rel]], max_new, host)
     return out
 
 

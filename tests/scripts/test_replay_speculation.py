@@ -64,14 +64,14 @@ def _commits(result) -> int:
 
 def test_replay_drafts_where_the_text_is_predictable_and_commits_exactly_the_budget(spec):
     every = _oracle(lambda i, avail: avail)
-    good = rs.replay_prompt(spec, 0, every["text"], 6, every["accept"], MAX_NEW, HOST)
+    good = rs.replay_batch(spec, [every], MAX_NEW, HOST)
     assert good["rounds"] > 0 and good["acceptance_length"] > 4 and good["speedup"] > 2
     assert _commits(good) == MAX_NEW - 1
     rs.fresh_estimates(spec, None, None, None)
     for _ in range(30):  # estimates that learnt the drafter is always wrong
         spec.acceptance.observe(1, 7, 0)
     none = _oracle(lambda i, avail: 0)
-    bad = rs.replay_prompt(spec, 0, none["text"], 6, none["accept"], MAX_NEW, HOST)
+    bad = rs.replay_batch(spec, [none], MAX_NEW, HOST)
     assert bad["acceptance_length"] in (0.0, 1.0) and bad["rounds"] <= 4  # a few probes at most
     assert 0.8 < bad["speedup"] <= 1.0
     assert _commits(bad) == MAX_NEW - 1
