@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from script_common import add_overlap_arg, overlap_value  # noqa: E402
 
+from mg.manifests.constants import DTYPES  # noqa: E402
+
 
 def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: int, dtype: str | None = None) -> Path:
     from mg.export.artifact import PRESET_SEED, ExportOptions, export_artifact, load_target
@@ -252,7 +254,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-context", type=int, default=1024)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="the export's float dtype (mg-export --dtype) [default: the checkpoint's]")
     p.add_argument("--speculation", default="adaptive,fixed", help="comma-separated: adaptive, fixed")
     p.add_argument("--repeats", type=int, default=3,

@@ -476,21 +476,15 @@ def test_factors_asked_out_of_order_are_the_same(tmp_path):
 def test_the_pass_refuses_token_ids_outside_the_vocabulary():
     """An id past the vocabulary has no embedding row: refused in one line (it used to leave that token's stream
     uninitialised memory, and the statistics changed from run to run)."""
-    from mg.export.calibrate import CalibrationError, InputStatistics
+    from mg.export.calibrate import CalibrationError, InputStatistics, input_hessians
 
     for bad in (CFG.vocab_size, -1):
         with pytest.raises(CalibrationError, match=rf"allowed: 0\.\.{CFG.vocab_size - 1} \(the model's vocabulary\)"):
             InputStatistics(CFG, RandomWeights(0), {"output": CFG.dim}, [[1, 2, bad]], lambda msg: None)
     windows = [[1] + list(range(5, 40)), [1] + list(range(CFG.vocab_size - 35, CFG.vocab_size))]
     names = {"layers.1.ffn.down_proj": CFG.ffn_dim}
-    runs = [_cpu_hessians(windows, names) for _ in range(2)]
+    runs = [input_hessians(CFG, RandomWeights(0), names, windows, lambda msg: None) for _ in range(2)]
     assert torch.equal(runs[0]["layers.1.ffn.down_proj"], runs[1]["layers.1.ffn.down_proj"])
-
-
-def _cpu_hessians(windows, names):
-    from mg.export.calibrate import input_hessians
-
-    return input_hessians(CFG, RandomWeights(0), names, windows, lambda msg: None)
 
 
 @pytest.mark.cuda
