@@ -26,3 +26,12 @@ def cuda_fp32_matmuls(tf32: bool):
         yield
     finally:
         setattr(matmul, name, before)
+
+
+def cuda_fp32_matmuls_tf32() -> bool:
+    """Whether CUDA fp32 matrix products run in TF32 now (either API)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        return matmul.fp32_precision == "tf32"

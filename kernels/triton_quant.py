@@ -69,6 +69,43 @@ def plan_linear(m: int, n: int, k: int, group_size: int | None, sms: int) -> Qua
                      num_stages=3)
 
 
+# Float weights (`linear_float_triton`): one tile shape whatever the row count, so that a row's bits never depend
+# on the rows beside it (a 1-row decode step and the same row in a 16-row DFlash verify agree exactly).
+FLOAT_BLOCK_M = 16
+FLOAT_BLOCK_N = 32
+FLOAT_BLOCK_K = 64
+
+
+def plan_float(n: int, k: int, sms: int, block_n: int = FLOAT_BLOCK_N, block_k: int = FLOAT_BLOCK_K,
+               split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> QuantPlan:
+    """The launch of a float-weight linear, from N and K only (row-invariant: module constants). Split-K as
+    `plan_linear` aims it unless `split_k` is given."""
+    tiles_k = -(-k // block_k)
+    if split_k is None:
+        columns = -(-n // block_n)
+        split_k = max(1, min(MAX_SPLIT, -(-TARGET_PROGRAMS * sms // columns), tiles_k // MIN_K_TILES))
+    per_split = -(-tiles_k // split_k) * block_k
+    split_k = -(-k // per_split)
+    return QuantPlan(FLOAT_BLOCK_M, block_n, block_k, split_k, per_split, num_warps, num_stages)
+
+
+def linear_float_triton(x: torch.Tensor, weight: torch.Tensor, tf32: bool = False,
+                        plan: QuantPlan | None = None) -> torch.Tensor:
+    """`x @ weight^T` for a float weight [N, K] of x's dtype (rows contiguous), fp32 sums (`tf32`: float32 inputs
+    multiplied in TF32); a row's result does not depend on the other rows of the call (`plan_float`). `plan`
+    overrides the launch (benchmarks)."""
+    _require(available(), f"Triton linears are unavailable: {reason}")
+    _require(x.dtype in (torch.float32, torch.bfloat16, torch.float16) and weight.dtype == x.dtype,
+             f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
+    _require(weight.dim() == 2 and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1],
+             f"weight must be [N, K = {x.shape[-1]}] with contiguous rows, got {tuple(weight.shape)} "
+             f"strides {weight.stride()}")
+    _require(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")
+    if plan is None:
+        plan = plan_float(weight.shape[0], weight.shape[1], triton_attention.device_sms(x.device))
+    return _launch(x, weight, None, None, None, plan, row_stride=weight.stride(0), tf32=tf32)
+
+
 def linear_int8_triton(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check(x, weight_q, scale, None, torch.int8, weight_q.shape[1])
     _require(scale.shape == (weight_q.shape[0],), f"scale must be [N] = [{weight_q.shape[0]}], got {tuple(scale.shape)}")
@@ -88,7 +125,8 @@ def linear_int4_triton(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Ten
     return _launch(x, weight_q, scale, zero, group_size)
 
 
-def _launch(x, weight_q, scale, zero, group_size):
+def _launch(x, weight_q, scale, zero, group_size, plan: QuantPlan | None = None, row_stride: int | None = None,
+            tf32: bool = False):
     k, n = x.shape[-1], weight_q.shape[0]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
@@ -97,16 +135,19 @@ def _launch(x, weight_q, scale, zero, group_size):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    plan = plan_linear(m, n, k, group_size, triton_attention.device_sms(x.device))
+    if plan is None:
+        plan = plan_linear(m, n, k, group_size, triton_attention.device_sms(x.device))
     part = out if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (-(-m // plan.block_m), -(-n // plan.block_n), plan.split_k)
     upcast = _INTERPRETING and x.dtype != torch.float32
     asm = _packed_dequant(x, scale, zero) if group_size is not None else ""
     _jit._linear_wq_kernel[grid](
-        rows, weight_q, scale, zero, part, m, n, k, weight_q.shape[1], scale.shape[-1] if group_size else 1,
+        rows, weight_q, weight_q if scale is None else scale, weight_q if zero is None else zero, part, m, n, k,
+        row_stride or weight_q.shape[1], scale.shape[-1] if group_size else 1,
         rows.stride(0), n, m * n, K_PER_SPLIT=plan.k_per_split, GROUP_SIZE=group_size or 1,
-        IS_INT4=group_size is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
+        IS_INT4=group_size is not None, SCALED=scale is not None and group_size is None,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        DOT_PRECISION="ieee" if (x.dtype == torch.float32 and not tf32) or upcast else "tf32", UPCAST_DOT=upcast,
         PACKED=bool(asm), ASM=asm, num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.split_k > 1:
         out.copy_(part.sum(dim=0))

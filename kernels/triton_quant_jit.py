@@ -68,7 +68,7 @@ DEQUANT_ASM = {dtype: _DEQUANT_TEMPLATE.replace("ONE", one).replace("OFF", off).
 def _linear_wq_kernel(
     x_ptr, wq_ptr, scale_ptr, zero_ptr, out_ptr,
     M, N, K, stride_wn, n_groups, stride_xm, stride_om, stride_os,
-    K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr, IS_INT4: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr, IS_INT4: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
 ):
@@ -110,7 +110,8 @@ def _linear_wq_kernel(
             mask_k = offs_k < K
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            # |q| <= 127 is exact in x's dtype: the dots sum x * q in fp32, the channel's scale applies at the end
+            # int8: |q| <= 127 is exact in x's dtype: the dots sum x * q in fp32, the channel's scale applies at
+            # the end (`SCALED`). A float weight (not `SCALED`) is x's dtype already.
             q = tl.load(wq_ptr + rows_n[:, None] * stride_wn + offs_k[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0)
             w = q.to(tl.float32) if UPCAST_DOT else q.to(x_ptr.dtype.element_ty)
@@ -118,7 +119,7 @@ def _linear_wq_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=DOT_PRECISION)
         else:
             acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-    if not IS_INT4:
+    if SCALED:
         acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

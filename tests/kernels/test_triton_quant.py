@@ -110,6 +110,34 @@ def test_a_row_gets_the_same_result_alone_and_in_a_batch(dtype):
             assert torch.equal(fn(x[i:i + 1], *w)[0], batch[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (5, 64, 384), (17, 40, 200), (40, 130, 768)])
+def test_float_linear_matches_torch(m, n, k, dtype):
+    """Float weights through the same kernel: `x @ w^T` as torch computes it, up to the order of the sums; a
+    transposed view of a wider weight (rows not adjacent) too."""
+    g = torch.Generator().manual_seed(m * 100 + n)
+    w = (torch.randn(n, k + 8, generator=g)[:, :k]).to(dtype).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    _close(tq.linear_float_triton(x, w), (x.float() @ w.float().T).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_linear_gives_a_row_the_same_bits_whatever_the_rows_beside_it(dtype):
+    """One tile shape for every row count (`plan_float` reads N and K only), split K included: a row's result is
+    the same bits alone, among 16 rows (a DFlash verify) or among 80 (several tiles of rows)."""
+    n, k = 96, 1024
+    assert tq.plan_float(n, k, 132).split_k > 1
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=g).to(dtype).to(DEVICE)
+    x = torch.randn(80, k, generator=g).to(dtype).to(DEVICE)
+    batch = tq.linear_float_triton(x, w)
+    for rows in (x[:16], x[16:19]):
+        part = tq.linear_float_triton(rows, w)
+        assert torch.equal(part, batch[:16] if rows.shape[0] == 16 else batch[16:19])
+    for i in (0, 15, 16, 79):
+        assert torch.equal(tq.linear_float_triton(x[i:i + 1], w)[0], batch[i])
+
+
 def test_bad_arguments_are_refused_in_one_line():
     int8, int4 = _weights(64, 256, 64, torch.float32, seed=1)
     x = torch.randn(2, 256).to(DEVICE)
@@ -122,6 +150,11 @@ def test_bad_arguments_are_refused_in_one_line():
         tq.linear_int4_triton(x, *int4_16)
     with pytest.raises(ValueError, match="weight_q must be"):
         tq.linear_int4_triton(x, int8[0], *int4[1:])
+    w = torch.randn(64, 256).to(DEVICE)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        tq.linear_float_triton(x, w.T.contiguous().T)
+    with pytest.raises(ValueError, match="share a float dtype"):
+        tq.linear_float_triton(x, w.bfloat16())
 
 
 def test_the_cuda_kernel_table_serves_long_calls_with_the_reference():
