@@ -88,6 +88,11 @@ _ENGINE_OPTIONS = [
                       "copy of each int4 weight on the device, and greedy DFlash then equals target-only, and "
                       "batched equals alone, only up to rounding (a row's kernel depends on its call's rows). "
                       "Changes nothing elsewhere."),
+    click.option("--row-invariant", is_flag=True,
+                 help="With --device cuda: float matrix products by a Triton linear whose launch depends on the "
+                      "weight's shape only, so a row's products are the same bits whatever rows share its step "
+                      "(with cuBLAS, greedy DFlash of a bfloat16 artifact equals target-only only up to "
+                      "rounding). Changes nothing elsewhere."),
     click.option("--no-verify", is_flag=True,
                  help="Skip hashing model.ptd against manifest.json (sizes, keys and shapes are still checked). "
                       "Without it the weights are hashed unless this unchanged file was hashed before.")
@@ -99,6 +104,15 @@ def engine_options(command):
     for option in reversed(_ENGINE_OPTIONS):
         command = option(command)
     return command
+
+
+def engine_config(device: str, no_dflash: bool, draft_block, speculation: str, compile_methods,
+                  no_cuda_graphs: bool, fused_rounds, overlap, int4_tensor_cores: bool, row_invariant) -> RunConfig:
+    """The `RunConfig` of `engine_options`' flags (mg-run and mg-serve alike)."""
+    return RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, compile=compile_methods,
+                     dflash=not no_dflash, draft_block=draft_block, speculation=speculation,
+                     fused_rounds=fused_rounds, overlap=overlap, int4_tensor_cores=int4_tensor_cores,
+                     row_invariant=row_invariant)
 
 
 def check_device(device: str, die=None) -> None:
@@ -161,7 +175,7 @@ def engine_setup(device: str, threads: Optional[int], die=None, spare_core: bool
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
 def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, threads, kv_layout,
          no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs, fused_rounds, overlap,
-         int4_tensor_cores, no_verify, output, stats_json):
+         int4_tensor_cores, row_invariant, no_verify, output, stats_json):
     """Serve the prompts of ARTIFACT (an mg-export directory) and write one JSON line per request."""
     if not prompts and input_path is None:
         click.echo(click.get_current_context().get_help(), err=True)
@@ -185,9 +199,8 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
 
     sink = _Output(output)
     try:
-        config = RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, compile=compile_methods,
-                           dflash=not no_dflash, draft_block=draft_block, speculation=speculation,
-                           fused_rounds=fused_rounds, overlap=overlap, int4_tensor_cores=int4_tensor_cores)
+        config = engine_config(device, no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs,
+                               fused_rounds, overlap, int4_tensor_cores, row_invariant)
         summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, sink, kv_layout,
                         verify=not no_verify)
     except ServeError as e:

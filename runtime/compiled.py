@@ -43,10 +43,11 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from mg.kernels import ops as mg_ops, quant
+from mg.kernels import linear, ops as mg_ops, quant
 from mg.manifests.values import cache_root, write_cache_file
 
 from .program import Program, first_line
+from .program_ops import SERVABLE_ATEN
 
 log = logging.getLogger("mg.runtime")
 
@@ -59,11 +60,11 @@ _LOADED: dict[str, Callable] = {}
 @functools.lru_cache(maxsize=None)
 def _sources_hash() -> str:
     """What the traced graph depends on besides the program and torch: the interpreter, its op table, this
-    tracing code and the `mg::` op schemas (attention and quantized linears)."""
+    tracing code and the `mg::` op schemas (attention, quantized linears, the row-invariant product)."""
     from . import program, program_ops
 
     h = hashlib.sha256()
-    for module in (program, program_ops, sys.modules[__name__], mg_ops, quant):
+    for module in (program, program_ops, sys.modules[__name__], mg_ops, quant, linear):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:32]
 
@@ -160,7 +161,8 @@ class MethodCompiler:
         # On the compiler's device (blank inputs are host tensors), distinct tensors: one graph input each.
         # Tracing and Inductor both see these: example inputs on another device than the weights fail there.
         inputs = [x.to(self.device).clone() for x in inputs]
-        key = dict(self._env, method=method, variant=variant, rows=int(inputs[0].shape[0]))
+        key = dict(self._env, method=method, variant=variant, rows=int(inputs[0].shape[0]),
+                   served=sorted(f"{name}={table[name]}" for name in SERVABLE_ATEN if name in table))
         stem = self.cache_dir / f"{method}-{variant}"
         entry = self._entry(stem, key)
         if entry is not None and entry.get("constants") is not None:  # warm: no tracing at all
@@ -169,7 +171,7 @@ class MethodCompiler:
             if fn is not None:
                 self.stats.events.append((method, variant, "loaded", time.perf_counter() - t0))
                 return _Variant(fn, consts)
-        gm, consts = self._trace(method, variant, inputs, table)
+        gm, consts = self.trace(method, variant, inputs, table)
         graph = _graph_hash(gm, consts)
         if entry is not None and entry.get("graph") == graph:
             fn = self._load(entry)
@@ -185,12 +187,13 @@ class MethodCompiler:
         self.stats.events.append((method, variant, "compiled", time.perf_counter() - t0))
         return _Variant(compiled, consts)
 
-    def _trace(self, method: str, variant: str, inputs: list, table: Mapping[str, Callable]):
+    def trace(self, method: str, variant: str, inputs: list, table: Mapping[str, Callable]):
         """The method as an ATen graph (fake tensors; the symbolic variant with one size symbol), its tensor
         constants lifted to leading inputs: (graph module, constants)."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        trace_ops = {name: registered_op(name) for name in table}
+        # mg:: ops as their registered ops; aten ops the table serves (`SERVABLE_ATEN`) by the registered op it names
+        trace_ops = {name: fn if name in SERVABLE_ATEN else registered_op(name) for name, fn in table.items()}
         gm = make_fx(lambda *xs: self.program.run(method, list(xs), ops=trace_ops),
                      tracing_mode="symbolic" if variant == "n" else "fake", _allow_non_fake_inputs=True)(*inputs)
         return gm, _lift_constants(gm)

@@ -51,7 +51,11 @@ class RunConfig:
     are on; a greedy plain decode step (no drafts, no prompt chunk) is launched and its tokens read back during
     the next step, whose inputs take them on the device: the host's work of one step runs while the device
     computes the one before (`engine.py`). True also without graphs (on CPU it only reorders the work: how
-    tests compare it), False never."""
+    tests compare it), False never. row_invariant: on CUDA, the methods' float matrix products (the program's
+    `aten::mm`) run as `mg::row_mm` (`mg.kernels.linear`): a Triton linear whose launch depends on the weight's
+    shape only, so a row's products are the same bits in a 1-row step, a 16-row DFlash verify or a batch (with
+    cuBLAS they are not: greedy DFlash of a bfloat16 artifact equals target-only only up to rounding). Off:
+    torch's `mm`. Changes nothing on CPU."""
 
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None
@@ -68,6 +72,7 @@ class RunConfig:
     draft_tf32: Optional[bool] = None
     int4_tensor_cores: bool = False
     overlap: Optional[bool] = None
+    row_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -119,6 +124,11 @@ class RunConfig:
     def drafter_tf32(self) -> bool:
         """Run the drafter's fp32 matrix products in TF32?"""
         return self.on_cuda if self.draft_tf32 is None else (self.draft_tf32 and self.on_cuda)
+
+    @property
+    def row_invariant_mm(self) -> bool:
+        """Serve the program's `aten::mm` with `mg::row_mm`?"""
+        return self.row_invariant and self.on_cuda
 
     @property
     def padded(self) -> bool:

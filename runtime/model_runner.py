@@ -41,7 +41,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mg.kernels import ops as mg_ops, quant
+from mg.kernels import linear, ops as mg_ops, quant
 from mg.kernels.precision import cuda_fp32_matmuls
 from mg.manifests import constants as C
 
@@ -51,6 +51,7 @@ from .compiled import CompiledMethod, CompileStats, MethodCompiler
 from .config import RunConfig
 from .cuda_graphs import GraphCounters, GraphRunner, bucket_for, buckets, triton_enabled
 from .draft_ops import DraftOps
+from .program_ops import MM
 
 log = logging.getLogger("mg.runtime")
 
@@ -180,6 +181,8 @@ class ModelRunner:
         self.counters = GraphCounters()
         self.ops: dict[str, Callable] = {_qualified(mg_ops.UPDATE_AND_ATTEND): self.cache.update_and_attend,
                                          **quant.kernels(self.device, config.int4_tensor_cores)}
+        if config.row_invariant_mm:  # the program's float matrix products, row-invariant (RunConfig.row_invariant)
+            self.ops[MM] = linear.op()
         self._plans = {C.METHOD_FORWARD: _Plan(C.METHOD_FORWARD, kv.max_write, self._blank_forward, self.cache,
                                                _cut_forward)}
         self.draft_cache: Optional[KVCache] = None
@@ -508,7 +511,7 @@ class ModelRunner:
         return [hidden, zeros, torch.full_like(zeros, self.draft_cache.scratch_slot)]
 
 
-# Compiled methods per loaded program and device: every runner on one program shares them (their op tables
+# Compiled methods per loaded program, device and matrix product: every runner on one program shares them (their op tables
 # are passed per call), and they go with the program.
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -517,10 +520,11 @@ def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, tab
     """The compiled methods of `plans` (compiling those not compiled yet for this program and device; a method
     that failed to compile stays interpreted) and the compile stats of this program and device."""
     per_device = _COMPILED.setdefault(artifact.program, {})
-    if str(device) not in per_device:
+    key = f"{device} {table.get(MM, MM)}"  # the code traced depends on what serves the matrix products
+    if key not in per_device:
         sha = next((f.sha256 for f in artifact.manifest.files if f.name == C.PROGRAM_FILE), None)
-        per_device[str(device)] = (MethodCompiler(artifact.program, sha or "unhashed", device), {})
-    compiler, methods = per_device[str(device)]
+        per_device[key] = (MethodCompiler(artifact.program, sha or "unhashed", device), {})
+    compiler, methods = per_device[key]
     before = len(compiler.stats.events)
     for name, plan in plans.items():
         if name not in methods:

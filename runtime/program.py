@@ -205,7 +205,8 @@ class Program:
     def run(self, method_name: str, inputs: Sequence[Any], ops: Optional[dict[str, Callable]] = None) -> list:
         """Execute a method. `ops` serves the custom ops for this call (it must cover every custom op the
         method uses); without it the defaults from `custom_ops` / `bind` serve them. Several callers can
-        share one loaded program, each with its own caches, by passing their own `ops`."""
+        share one loaded program, each with its own caches, by passing their own `ops`. `ops` may also serve
+        the aten ops of `program_ops.SERVABLE_ATEN` ("aten::mm"); those it leaves out run as torch's."""
         m = self._method(method_name)
         table = self._bindings if ops is None else ops
         unbound = [n for n in m.custom_ops if table.get(n) is None]
@@ -397,6 +398,8 @@ class Program:
                                    f"schema is not registered with torch (import the package that defines it)")
         else:
             binding = ops.resolve(op.name, op.overload, self.views_as_copies)
+            if binding is not None and op.name in ops.SERVABLE_ATEN:
+                binding = ops.servable(binding, op.name, self._local)
         if binding is None:
             hint = "" if op.name.split("::")[0] in ("aten", "executorch_prim", "dim_order_ops") else \
                 f" (declare custom ops in custom_ops; declared: {', '.join(sorted(self._bindings)) or 'none'})"

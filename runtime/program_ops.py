@@ -15,6 +15,7 @@ program file format or MG.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ GENERIC_ATEN = frozenset("""
     rsub scalar_tensor scatter sigmoid sign silu sin sinh _softmax sort sqrt stack sub sum tan tanh
     topk tril triu var where zeros _to_copy narrow_copy
 """.split())
+
+# aten ops a caller of `Program.run` may serve with its own callable (its `ops` table, by this name): the
+# runtime's row-invariant matrix product (`mg.kernels.linear`). Without an entry, torch's op runs.
+MM = "aten::mm"
+SERVABLE_ATEN = frozenset({MM})
 
 # `*_copy` ops that are views of their first argument; value -> the view op's name.
 VIEW_COPY = {
@@ -176,6 +182,17 @@ def _view_fn(copy_name: str, functional) -> Optional[Callable]:
         return None
     names = [a.name for a in view._schema.arguments]
     return view if names == [a.name for a in functional._schema.arguments] else None
+
+
+def servable(binding: OpBinding, name: str, local) -> OpBinding:
+    """`binding` calling the callable the running call's table (`local.ops`) has for `name`, if any."""
+    default = binding.fn
+
+    def fn(*args, **kwargs):
+        table = getattr(local, "ops", None)
+        return (table.get(name, default) if table is not None else default)(*args, **kwargs)
+
+    return dataclasses.replace(binding, fn=fn)
 
 
 def custom_binding(qualified: str, overload: str, call: Callable) -> Optional[OpBinding]:

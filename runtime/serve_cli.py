@@ -16,8 +16,7 @@ from pathlib import Path
 
 import click
 
-from .cli import check_device, engine_options, engine_setup
-from .config import RunConfig
+from .cli import check_device, engine_config, engine_options, engine_setup
 
 
 def _die(msg: str) -> None:
@@ -41,7 +40,7 @@ def _die(msg: str) -> None:
 @engine_options
 def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_timeout, device, threads, kv_layout,
          no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs, fused_rounds, overlap,
-         int4_tensor_cores, no_verify):
+         int4_tensor_cores, row_invariant, no_verify):
     """Serve ARTIFACT (an mg-export directory) with an OpenAI-compatible HTTP API."""
     try:
         import fastapi  # noqa: F401
@@ -69,9 +68,8 @@ def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_
 
     try:
         art = load_artifact(artifact, device=device, layout=kv_layout, verify=not no_verify)
-        config = RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, compile=compile_methods,
-                           dflash=not no_dflash, draft_block=draft_block, speculation=speculation,
-                           fused_rounds=fused_rounds, overlap=overlap, int4_tensor_cores=int4_tensor_cores)
+        config = engine_config(device, no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs,
+                               fused_rounds, overlap, int4_tensor_cores, row_invariant)
         engine = Engine(art, config)
         codec = TextCodec(art.tokenizer_path, art.manifest.model.bos_id) if art.tokenizer_path else None
     except (ArtifactError, DFlashError, ValueError) as e:
