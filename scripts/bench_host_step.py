@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from script_common import add_artifact_args, add_overlap_arg, artifact_dir, int_list, overlap_value
+from script_common import add_artifact_args, add_overlap_arg, artifact_dir, auto_on_off, int_list
 
 MODES = ("plain", "no-drafts", "adaptive")
 
@@ -107,7 +107,7 @@ def main() -> int:
         capacity = artifact.manifest.kv.capacity
         prompt = tuple(range(10, 40))
         steps = min(args.steps, capacity - len(prompt) - 1)
-        engines = {mode: _engine(artifact, mode, args.device, args.padded, overlap_value(args.overlap)) for mode in MODES}
+        engines = {mode: _engine(artifact, mode, args.device, args.padded, auto_on_off(args.overlap)) for mode in MODES}
         for n in batches:
             runs = {mode: [] for mode in MODES}
             for rep in range(args.repeats):

@@ -2,8 +2,9 @@
 
 For each linear of one layer of `--preset` (default mg-30b: qkvg 6656 -> 8704, o 4096 -> 6656, gate/up
 6656 -> 39936, down 19968 -> 6656; `--head` adds the 202048-row output head) and each row count of `--rows`
-(decode batches, DFlash verify rows), times `y = x W^T` in bf16 (cuBLAS, the float artifact's path) against
-the Triton kernels of `mg.kernels.triton_quant` (int8 per channel, int4 in groups of `--group-size`), against
+(decode batches, DFlash verify rows), times `y = x W^T` in bf16 (cuBLAS: the float artifact's path with
+`--no-row-invariant`), the bf16 weight through the row-invariant Triton linear (`bf16-rows`:
+`triton_quant.linear_float_triton`, the float artifact's path by default), against the Triton kernels of `mg.kernels.triton_quant` (int8 per channel, int4 in groups of `--group-size`), against
 torch's tensor-core int4 kernel on the runtime's layout (`int4-tc`: what the runtime serves bfloat16 int4
 calls of up to `quant.TINYGEMM_MAX_ROWS` rows with) and against the torch references (dequantize, then matmul:
 what CUDA ran before the kernels). Each measurement is
@@ -28,8 +29,9 @@ import torch
 
 from script_common import int_list
 
-SCHEMES = ("bf16", "int8", "int4", "int4-tc", "int8-ref", "int4-ref")
-KERNELS = {"int8": "int8-ref", "int4": "int4-ref", "int4-tc": "int4-ref"}  # each checked against its reference
+SCHEMES = ("bf16", "bf16-rows", "int8", "int4", "int4-tc", "int8-ref", "int4-ref")
+KERNELS = {"bf16-rows": "bf16", "int8": "int8-ref", "int4": "int4-ref", "int4-tc": "int4-ref"}  # each checked
+# against its reference
 
 
 def _linears(preset: str, head: bool) -> list[tuple[str, int, int]]:
@@ -90,6 +92,7 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
             fns = {"bf16": lambda: torch.nn.functional.linear(x, w),
+                   "bf16-rows": lambda: tq.linear_float_triton(x, w),
                    "int8": lambda: tq.linear_int8_triton(x, q8, s8),
                    "int4": lambda: tq.linear_int4_triton(x, q4, s4, z4, group),
                    "int4-tc": lambda: quant._int4_tinygemm(x, q4, s4, z4, group),
@@ -118,27 +121,28 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
 
 
 def tables(results: list[dict], rows: list[int]) -> str:
-    lines = ["| linear | N x K | rows | bf16 us | int8 us | int4 us | int4-tc us | int8 ref us | int4 ref us | "
-             "int8 / bf16 | int4 / bf16 | int4-tc / bf16 | int8 / its floor | int4 / its floor | int4-tc / its floor | "
-             "max err / max |y| (int8, int4, int4-tc) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| linear | N x K | rows | bf16 us | bf16-rows us | int8 us | int4 us | int4-tc us | int8 ref us | "
+             "int4 ref us | bf16-rows / bf16 | int8 / bf16 | int4 / bf16 | int4-tc / bf16 | int8 / its floor | "
+             "int4 / its floor | int4-tc / its floor | max err / max |y| (bf16-rows, int8, int4, int4-tc) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         u, f, e = r["us"], r["floor_us"], r["max_err_vs_ref"]
-        lines.append(f"| {r['linear']} | {r['n']} x {r['k']} | {r['rows']} | {u['bf16']:.1f} | {u['int8']:.1f} | "
-                     f"{u['int4']:.1f} | {u['int4-tc']:.1f} | {u['int8-ref']:.1f} | {u['int4-ref']:.1f} | "
+        lines.append(f"| {r['linear']} | {r['n']} x {r['k']} | {r['rows']} | {u['bf16']:.1f} | {u['bf16-rows']:.1f} | "
+                     f"{u['int8']:.1f} | {u['int4']:.1f} | {u['int4-tc']:.1f} | {u['int8-ref']:.1f} | "
+                     f"{u['int4-ref']:.1f} | {u['bf16-rows'] / u['bf16']:.2f} | "
                      f"{u['int8'] / u['bf16']:.2f} | {u['int4'] / u['bf16']:.2f} | {u['int4-tc'] / u['bf16']:.2f} | "
                      f"{u['int8'] / f['int8']:.2f} | {u['int4'] / f['int4']:.2f} | {u['int4-tc'] / f['int4']:.2f} | "
-                     f"{e['int8']:.1e}, {e['int4']:.1e}, {e['int4-tc']:.1e} |")
+                     f"{e['bf16-rows']:.1e}, {e['int8']:.1e}, {e['int4']:.1e}, {e['int4-tc']:.1e} |")
     lines += ["", "One layer (the sum of its linears, the head excluded):", "",
-              "| rows | bf16 us | int8 us | int4 us | int4-tc us | int8 / bf16 | int4 / bf16 | int4-tc / bf16 | "
-              "int8 / floor | int4 / floor | int4-tc / floor |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| rows | bf16 us | bf16-rows us | int8 us | int4 us | int4-tc us | bf16-rows / bf16 | int8 / bf16 | "
+              "int4 / bf16 | int4-tc / bf16 | int8 / floor | int4 / floor | int4-tc / floor |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in rows:
         layer = [r for r in results if r["rows"] == m and r["linear"] != "output"]
         t = {s: sum(r["us"][s] for r in layer) for s in SCHEMES}
         f = {s: sum(r["floor_us"][s] for r in layer) for s in ("bf16", "int8", "int4")}
-        lines.append(f"| {m} | {t['bf16']:.1f} | {t['int8']:.1f} | {t['int4']:.1f} | {t['int4-tc']:.1f} | "
-                     f"{t['int8'] / t['bf16']:.2f} | {t['int4'] / t['bf16']:.2f} | {t['int4-tc'] / t['bf16']:.2f} | "
+        lines.append(f"| {m} | {t['bf16']:.1f} | {t['bf16-rows']:.1f} | {t['int8']:.1f} | {t['int4']:.1f} | "
+                     f"{t['int4-tc']:.1f} | {t['bf16-rows'] / t['bf16']:.2f} | {t['int8'] / t['bf16']:.2f} | {t['int4'] / t['bf16']:.2f} | {t['int4-tc'] / t['bf16']:.2f} | "
                      f"{t['int8'] / f['int8']:.2f} | {t['int4'] / f['int4']:.2f} | {t['int4-tc'] / f['int4']:.2f} |")
     return "\n".join(lines)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_common import add_overlap_arg, overlap_value  # noqa: E402
+from script_common import add_overlap_arg, add_row_invariant_arg, auto_on_off  # noqa: E402
 
 from mg.manifests.constants import DTYPES  # noqa: E402
 
@@ -51,8 +51,9 @@ _ARTIFACTS: dict = {}
 _ENGINES: dict = {}
 
 
-def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: tuple, overlap: bool | None = None):
-    """The engine of `artifact_dir` for `speculation` (target-only when None), built once per process: its
+def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: tuple, settings: tuple = ()):
+    """The engine of `artifact_dir` for `speculation` (target-only when None) and `settings` (more `RunConfig`
+    fields, as (name, value) pairs), built once per process: its
     CUDA graphs captured, its costs measured and one short untimed request (`warm_up`, a prompt) served
     before any clock starts.
     Every run of a layout goes through the same two or three engines, as a server's requests go through one:
@@ -60,7 +61,7 @@ def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: t
     drafter and the step costs is shared by the engines of a process anyway. Timing runs on long-lived
     engines also lets target-only and DFlash alternate run by run within milliseconds, where building an
     engine (graph captures) between runs spread them over seconds of a GPU host's drifting speed."""
-    key = (str(artifact_dir), device, speculation, overlap)
+    key = (str(artifact_dir), device, speculation, settings)
     engine = _ENGINES.get(key)
     if engine is not None:
         return engine
@@ -72,7 +73,7 @@ def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: t
     if (str(artifact_dir), device) not in _ARTIFACTS:
         _ARTIFACTS[(str(artifact_dir), device)] = load_artifact(artifact_dir, device=device)
     config = RunConfig(device=device, dflash=speculation is not None, speculation=speculation or "adaptive",
-                       overlap=overlap)
+                       **dict(settings))
     engine = _ENGINES[key] = Engine(_ARTIFACTS[(str(artifact_dir), device)], config)
     engine.warm_up()  # CUDA graphs of every bucket captured before the clock starts, for every engine alike
     # One short untimed request first: the first steps of an engine after its graphs were captured ran slow
@@ -86,13 +87,13 @@ READ_BACK = "target-only-no-overlap"  # the extra target-only engine of --compar
 
 
 def _run(artifact_dir: Path, reqs, speculation: str | None, device: str, trace: list | None = None,
-         overlap: bool | None = None):
+         settings: tuple = ()):
     """`reqs` served to the end by the layout's engine for `speculation` (`_engine`; READ_BACK: target-only
     with every step read back at once), timed; returns (results, the run's DFlash statistics, seconds).
     `trace`: a list that gets adaptive speculation's choice of every step (`Speculator.trace`)."""
     if speculation == READ_BACK:
-        speculation, overlap = None, False
-    engine = _engine(artifact_dir, speculation, device, reqs[0].prompt[:8], overlap)
+        speculation, settings = None, tuple(sorted({**dict(settings), "overlap": False}.items()))
+    engine = _engine(artifact_dir, speculation, device, reqs[0].prompt[:8], settings)
     if engine.spec is not None:
         engine.spec.stats = type(engine.spec.stats)()  # the statistics are the run's
         engine.spec.trace = trace
@@ -128,14 +129,15 @@ def _row_acceptance(hist: list[int], block: int) -> list[float]:
 
 
 def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str, policies: list[str],
-                    repeats: int = 1, traces: dict | None = None, overlap: bool | None = None,
+                    repeats: int = 1, traces: dict | None = None, settings: tuple = (),
                     compare_overlap: bool = False) -> dict:
     """Target-only vs each speculation policy: each prompt alone, then all prompts in one batch. Each
     measurement runs `repeats` times, target-only and the policies interleaved, and keeps the fastest: one
     timing of a short run on a shared machine swings by more than the differences sought, and the noise
     only ever adds time. `traces`: gets {run: adaptive speculation's choices per step} of each prompt's and
-    the batch's last adaptive run. `overlap`: every engine's `RunConfig.overlap`; `compare_overlap`: one more
-    target-only engine, its steps read back at once, timed in the same rounds."""
+    the batch's last adaptive run. `settings`: every engine's other `RunConfig` fields ((name, value) pairs:
+    overlap, row_invariant); `compare_overlap`: one more target-only engine, its steps read back at once, timed
+    in the same rounds."""
     reqs = _requests(prompts, artifact_dir, max_new)
     from mg.manifests import read_manifest
 
@@ -149,7 +151,7 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
         for _ in range(repeats):
             for policy in [None] + ([READ_BACK] if compare_overlap else []) + policies:
                 trace = [] if traces is not None and policy == "adaptive" else None
-                res, stats, s = _run(artifact_dir, batch, policy, device, trace, overlap)
+                res, stats, s = _run(artifact_dir, batch, policy, device, trace, settings)
                 if trace is not None:
                     traces[name] = trace
                 times.setdefault(policy, []).append(s)
@@ -260,6 +262,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per measurement, target-only and DFlash interleaved; the fastest is kept")
     add_overlap_arg(p)
+    add_row_invariant_arg(p)
     p.add_argument("--compare-overlap", action="store_true",
                    help="also time target-only with every step read back at once (no overlap), in the same rounds")
     p.add_argument("--out", type=Path, required=True)
@@ -277,8 +280,11 @@ def main() -> int:
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
     results = {"device": args.device, "dtype": args.dtype or "checkpoint's", "prompts": str(args.prompts),
                "max_new_tokens": args.max_new_tokens,
-               "speculation": args.speculation.split(","), "overlap": args.overlap, "layouts": {}}
+               "speculation": args.speculation.split(","), "overlap": args.overlap,
+               "row_invariant": args.row_invariant, "layouts": {}}
     traces = {}
+    settings = tuple(sorted({"overlap": auto_on_off(args.overlap),
+                             "row_invariant": auto_on_off(args.row_invariant)}.items()))
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
             art = _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / layout, args.max_context,
@@ -286,7 +292,7 @@ def main() -> int:
             traces[layout] = {} if args.trace is not None else None
             results["layouts"][layout] = evaluate_layout(art, args.prompts, args.max_new_tokens, args.device,
                                                          args.speculation.split(","), args.repeats, traces[layout],
-                                                         overlap_value(args.overlap), args.compare_overlap)
+                                                         settings, args.compare_overlap)
     if args.trace is not None:
         args.trace.write_text(json.dumps(traces) + "\n")
     table = _table(results)

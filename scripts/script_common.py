@@ -1,6 +1,6 @@
 """What several benchmark scripts parse and prepare alike: an artifact argument (or the embedded default,
 exported into a temporary folder) with its device and layout, the engines' overlap
-(`--overlap`), and comma-separated integer lists. Scripts
+(`--overlap`) and matrix products (`--row-invariant`), and comma-separated integer lists. Scripts
 run as `python scripts/NAME.py` import it from their own folder."""
 
 from __future__ import annotations
@@ -19,15 +19,23 @@ def add_artifact_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_overlap_arg(p: argparse.ArgumentParser) -> None:
-    """`--overlap auto|on|off`: `RunConfig.overlap` of the script's engines (`overlap_value`)."""
+    """`--overlap auto|on|off`: `RunConfig.overlap` of the script's engines (`auto_on_off`)."""
     p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
                    help="launch greedy plain steps before the step before is read back (RunConfig.overlap): "
                         "auto = with CUDA graphs [default: auto]")
 
 
-def overlap_value(choice: str) -> bool | None:
-    """`--overlap`'s choice as `RunConfig.overlap`."""
+def auto_on_off(choice: str) -> bool | None:
+    """An auto | on | off choice (`--overlap`, or on | off of `--row-invariant`) as its `RunConfig` value: None |
+    True | False."""
     return {"auto": None, "on": True, "off": False}[choice]
+
+
+def add_row_invariant_arg(p: argparse.ArgumentParser) -> None:
+    """`--row-invariant on|off`: `RunConfig.row_invariant` of the script's engines."""
+    p.add_argument("--row-invariant", default="off", choices=["on", "off"],
+                   help="float matrix products by the row-invariant Triton linear on CUDA (RunConfig.row_invariant) "
+                        "[default: off]")
 
 
 def artifact_dir(artifact: Path | None, layout: str, tmp: Path) -> Path:
