@@ -510,6 +510,14 @@ def _program_key(runner: ModelRunner) -> str:
     return files[0].sha256 if files else str(runner.artifact.directory)
 
 
+def cost_key(program: str, device: torch.device, cfg: RunConfig, use_triton: Optional[bool], blocks: tuple) -> tuple:
+    """What measured cost tables depend on: the program, the device and every setting that changes what a
+    method call runs (graphs, padding, compiled code, attention kernels, BLAS library, the drafter's precision,
+    the kernels of quantized and float linears) and the fused rounds' blocks."""
+    return (program, str(device), cfg.graphs, cfg.padded, cfg.compiled, use_triton, cfg.prefer_cublaslt,
+            cfg.drafter_tf32, cfg.int4_tensor_cores, cfg.row_invariant_mm, blocks)
+
+
 def _tables_path(key: tuple, device: torch.device) -> Path:
     """Where measured tables persist between processes: keyed by the program, the run settings, the device
     (CUDA: its name; CPU: torch's thread count), the torch version and the runtime's code."""
@@ -798,9 +806,8 @@ class Speculator:
 
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
-        key = (_program_key(r), str(r.device), cfg.graphs, cfg.padded, cfg.compiled, getattr(r.cache, "use_triton", None),
-               cfg.prefer_cublaslt, cfg.drafter_tf32, cfg.int4_tensor_cores,
-               tuple(fr.block for fr in self.rounds))
+        key = cost_key(_program_key(r), r.device, cfg, getattr(r.cache, "use_triton", None),
+                       tuple(fr.block for fr in self.rounds))
         if key not in _COST_TABLES:
             tables = _load_tables(key, r.device)
             if tables is None or len(tables) != 3 + len(self.rounds):

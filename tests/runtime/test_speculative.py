@@ -684,6 +684,20 @@ def test_cost_tables_are_measured_again_by_newer_code(monkeypatch):
     assert spec_module._tables_path(key, cpu) != before
 
 
+def test_cost_tables_are_keyed_by_every_setting_that_changes_a_calls_kernels():
+    """Tables measured with one setting are never read by an engine with another (an engine with row-invariant
+    products had priced fused rounds at 1.55 plain steps where cuBLAS ones take 3.35)."""
+    cuda = torch.device("cuda")
+    base = RunConfig(device="cuda")
+    settings = [dict(row_invariant=True), dict(int4_tensor_cores=True), dict(draft_tf32=False), dict(cublaslt=False),
+                dict(compile=False), dict(cuda_graphs=False)]
+    keys = {spec_module.cost_key("p", cuda, base, True, (16,))}
+    for changed in settings:
+        keys.add(spec_module.cost_key("p", cuda, RunConfig(**{"device": "cuda", **changed}), True, (16,)))
+    keys |= {spec_module.cost_key("p", cuda, base, False, (16,)), spec_module.cost_key("p", cuda, base, True, (8,))}
+    assert len(keys) == len(settings) + 3
+
+
 def test_waiting_rows_one_row_commits_land_in_the_buffer_after_it_grows():
     """A lone sequence's plain steps commit one row each, the step's whole output, through one-row views of the
     buffer that are kept: rows committed before the buffer grows and after (when the kept views would point
