@@ -1,4 +1,5 @@
-"""Triton weight-only quantized linears on CUDA: availability, launch plan, launchers.
+"""Triton weight-only quantized linears on CUDA, and float weights through the same kernel: availability,
+launch plan, launchers.
 
 `linear_int8_triton(x, weight_q, scale)` and `linear_int4_triton(x, weight_q, scale, zero, group_size)` have
 the signatures of `linear_int8_ref` / `linear_int4_ref` in `quant.py` and their results up to rounding (int8
@@ -8,6 +9,9 @@ instruction with q * scale + zero rounded once, where the reference rounds it to
 materialise the float weight: each
 quantized byte is read once per tile of up to `MAX_BLOCK_M` rows, which at decode means the weight crosses
 the memory bus once, in its stored size. The kernel lives in `triton_quant_jit.py`.
+
+`linear_float_triton(x, weight)` runs a float weight of x's dtype through the same kernel with one tile shape
+for every row count (`plan_float`), the row-invariant products of `mg.kernels.linear`.
 
 The launch depends only on shapes (grid, tiles, split-K), so CUDA graphs capture and replay it. Knows nothing
 about models or the runtime; callers check `available()` (shared with the Triton attention: triton importable,

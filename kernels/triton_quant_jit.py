@@ -1,4 +1,5 @@
-"""Triton kernel (only the `@triton.jit` body) of the weight-only quantized linears `y = x W~^T`.
+"""Triton kernel (only the `@triton.jit` body) of the weight-only quantized linears `y = x W~^T` (and of float
+weights, read as the int8 path reads its integers, without a scale: `triton_quant.linear_float_triton`).
 
 Imports triton unconditionally: import it through `mg.kernels.triton_quant`, which checks availability,
 plans the launch and validates arguments. Storage layouts: `mg.kernels.quant`.
