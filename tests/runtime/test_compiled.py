@@ -135,7 +135,7 @@ def test_cache_is_reused_and_a_corrupt_or_stale_entry_is_compiled_again(compiled
         raise AssertionError("a cached method was traced again")
 
     with monkeypatch.context() as m:  # a later start finds the constants without tracing, also on a new load
-        m.setattr(MethodCompiler, "_trace", no_tracing)
+        m.setattr(MethodCompiler, "trace", no_tracing)
         reloaded = ModelRunner(load_artifact(tiny_dflash_seq_artifact), RunConfig(pad_steps=True), with_draft=True)
         assert [w for _, _, w, _ in _compile_draft_append(reloaded, tmp_path).stats.events] == ["loaded", "loaded"]
 
