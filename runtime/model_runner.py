@@ -511,8 +511,8 @@ class ModelRunner:
         return [hidden, zeros, torch.full_like(zeros, self.draft_cache.scratch_slot)]
 
 
-# Compiled methods per loaded program, device and matrix product: every runner on one program shares them (their op tables
-# are passed per call), and they go with the program.
+# Compiled methods per loaded program, device and matrix product: every runner on one program shares them (their op
+# tables are passed per call), and they go with the program.
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 

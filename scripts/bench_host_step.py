@@ -107,7 +107,8 @@ def main() -> int:
         capacity = artifact.manifest.kv.capacity
         prompt = tuple(range(10, 40))
         steps = min(args.steps, capacity - len(prompt) - 1)
-        engines = {mode: _engine(artifact, mode, args.device, args.padded, auto_on_off(args.overlap)) for mode in MODES}
+        overlap = auto_on_off(args.overlap)
+        engines = {mode: _engine(artifact, mode, args.device, args.padded, overlap) for mode in MODES}
         for n in batches:
             runs = {mode: [] for mode in MODES}
             for rep in range(args.repeats):
