@@ -47,7 +47,7 @@ for step in "${steps[@]}"; do
                       | tee "$OUT/bench_host_step_cuda_overlap_$o.md"
                   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
               done ;;
-        round) for run in kernel,auto reference,auto kernel,off; do
+        round) for run in kernel,off reference,off kernel,on; do
                   a="${run%,*}" r="${run#*,}"
                   python3 scripts/profile_round.py --device cuda --draft-attention "$a" --row-invariant "$r" \
                       --out "$OUT/profile_round_cuda_${a}_$r.json" 2>&1 | grep -v "Warning\|return cls" \
