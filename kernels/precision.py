@@ -14,14 +14,20 @@ import contextlib
 import torch
 
 
+def _setting() -> tuple[str, object]:
+    """The precision API the process uses and its value now: ("allow_tf32", bool) or ("fp32_precision", str)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return "allow_tf32", matmul.allow_tf32
+    except RuntimeError:  # the process uses the newer API: torch refuses mixing the two
+        return "fp32_precision", matmul.fp32_precision
+
+
 @contextlib.contextmanager
 def cuda_fp32_matmuls(tf32: bool):
     matmul = torch.backends.cuda.matmul
-    try:
-        name, before, value = "allow_tf32", matmul.allow_tf32, tf32
-    except RuntimeError:  # the process uses the newer API: torch refuses mixing the two
-        name, before, value = "fp32_precision", matmul.fp32_precision, "tf32" if tf32 else "ieee"
-    setattr(matmul, name, value)
+    name, before = _setting()
+    setattr(matmul, name, tf32 if name == "allow_tf32" else "tf32" if tf32 else "ieee")
     try:
         yield
     finally:
@@ -30,8 +36,5 @@ def cuda_fp32_matmuls(tf32: bool):
 
 def cuda_fp32_matmuls_tf32() -> bool:
     """Whether CUDA fp32 matrix products run in TF32 now (either API)."""
-    matmul = torch.backends.cuda.matmul
-    try:
-        return bool(matmul.allow_tf32)
-    except RuntimeError:
-        return matmul.fp32_precision == "tf32"
+    name, value = _setting()
+    return bool(value) if name == "allow_tf32" else value == "tf32"

@@ -107,7 +107,7 @@ def linear_float_triton(x: torch.Tensor, weight: torch.Tensor, tf32: bool = Fals
     _require(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")
     if plan is None:
         plan = plan_float(weight.shape[0], weight.shape[1], triton_attention.device_sms(x.device))
-    return _launch(x, weight, None, None, None, plan, row_stride=weight.stride(0), tf32=tf32)
+    return _launch(x, weight, None, None, None, plan, tf32=tf32)
 
 
 def linear_int8_triton(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -129,8 +129,7 @@ def linear_int4_triton(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Ten
     return _launch(x, weight_q, scale, zero, group_size)
 
 
-def _launch(x, weight_q, scale, zero, group_size, plan: QuantPlan | None = None, row_stride: int | None = None,
-            tf32: bool = False):
+def _launch(x, weight_q, scale, zero, group_size, plan: QuantPlan | None = None, tf32: bool = False):
     k, n = x.shape[-1], weight_q.shape[0]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
@@ -147,7 +146,7 @@ def _launch(x, weight_q, scale, zero, group_size, plan: QuantPlan | None = None,
     asm = _packed_dequant(x, scale, zero) if group_size is not None else ""
     _jit._linear_wq_kernel[grid](
         rows, weight_q, weight_q if scale is None else scale, weight_q if zero is None else zero, part, m, n, k,
-        row_stride or weight_q.shape[1], scale.shape[-1] if group_size else 1,
+        weight_q.stride(0), scale.shape[-1] if group_size else 1,
         rows.stride(0), n, m * n, K_PER_SPLIT=plan.k_per_split, GROUP_SIZE=group_size or 1,
         IS_INT4=group_size is not None, SCALED=scale is not None and group_size is None,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
