@@ -98,6 +98,14 @@ def linear_float_triton(x: torch.Tensor, weight: torch.Tensor, tf32: bool = Fals
     """`x @ weight^T` for a float weight [N, K] of x's dtype (rows contiguous), fp32 sums (`tf32`: float32 inputs
     multiplied in TF32); a row's result does not depend on the other rows of the call (`plan_float`). `plan`
     overrides the launch (benchmarks)."""
+    check_float_linear(x, weight)
+    if plan is None:
+        plan = plan_float(weight.shape[0], weight.shape[1], triton_attention.device_sms(x.device))
+    return _launch(x, weight, None, None, None, plan, tf32=tf32)
+
+
+def check_float_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """The arguments of a float-weight Triton linear (here and `triton_rows`): ValueError in one line."""
     _require(available(), f"Triton linears are unavailable: {reason}")
     _require(x.dtype in (torch.float32, torch.bfloat16, torch.float16) and weight.dtype == x.dtype,
              f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
@@ -105,9 +113,15 @@ def linear_float_triton(x: torch.Tensor, weight: torch.Tensor, tf32: bool = Fals
              f"weight must be [N, K = {x.shape[-1]}] with contiguous rows, got {tuple(weight.shape)} "
              f"strides {weight.stride()}")
     _require(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")
-    if plan is None:
-        plan = plan_float(weight.shape[0], weight.shape[1], triton_attention.device_sms(x.device))
-    return _launch(x, weight, None, None, None, plan, tf32=tf32)
+
+
+def rows_and_output(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] as contiguous rows [M, K] (a view where it is one) and an empty output [M, n] of x's dtype."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
+        rows = rows.contiguous()
+    return rows, torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
 
 
 def linear_int8_triton(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -131,11 +145,8 @@ def linear_int4_triton(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Ten
 
 def _launch(x, weight_q, scale, zero, group_size, plan: QuantPlan | None = None, tf32: bool = False):
     k, n = x.shape[-1], weight_q.shape[0]
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
-        rows = rows.contiguous()
+    rows, out = rows_and_output(x, n)
     m = rows.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     if plan is None:
