@@ -94,6 +94,11 @@ _ENGINE_OPTIONS = [
                       "(with cuBLAS, greedy DFlash of a bfloat16 artifact equals target-only only up to "
                       "rounding). Slower: a float32 decode step of the embedded default takes 2.8x as long on "
                       "an H100, bfloat16 at MG-30B width 1.03x at one row. Changes nothing elsewhere."),
+    click.option("--rows-kernel", is_flag=True,
+                 help="With --device cuda: float32 matrix products of 1-16 rows (decode steps, DFlash verifies and "
+                      "drafts) by a Triton multiply-add kernel instead of cuBLAS (faster per product at the embedded "
+                      "default's shapes on an H100; not yet measured over whole steps). Longer calls and other "
+                      "dtypes stay on cuBLAS; --row-invariant takes precedence."),
     click.option("--no-verify", is_flag=True,
                  help="Skip hashing model.ptd against manifest.json (sizes, keys and shapes are still checked). "
                       "Without it the weights are hashed unless this unchanged file was hashed before.")
@@ -108,12 +113,13 @@ def engine_options(command):
 
 
 def engine_config(device: str, no_dflash: bool, draft_block, speculation: str, compile_methods,
-                  no_cuda_graphs: bool, fused_rounds, overlap, int4_tensor_cores: bool, row_invariant) -> RunConfig:
+                  no_cuda_graphs: bool, fused_rounds, overlap, int4_tensor_cores: bool, row_invariant: bool,
+                  rows_kernel: bool) -> RunConfig:
     """The `RunConfig` of `engine_options`' flags (mg-run and mg-serve alike)."""
     return RunConfig(device=device, cuda_graphs=False if no_cuda_graphs else None, compile=compile_methods,
                      dflash=not no_dflash, draft_block=draft_block, speculation=speculation,
                      fused_rounds=fused_rounds, overlap=overlap, int4_tensor_cores=int4_tensor_cores,
-                     row_invariant=row_invariant)
+                     row_invariant=row_invariant, rows_kernel=rows_kernel)
 
 
 def check_device(device: str, die=None) -> None:
@@ -176,7 +182,7 @@ def engine_setup(device: str, threads: Optional[int], die=None, spare_core: bool
 @click.option("--stats-json", type=click.Path(path_type=Path), default=None, help="Write the summary as JSON.")
 def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_p, seed, device, threads, kv_layout,
          no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs, fused_rounds, overlap,
-         int4_tensor_cores, row_invariant, no_verify, output, stats_json):
+         int4_tensor_cores, row_invariant, rows_kernel, no_verify, output, stats_json):
     """Serve the prompts of ARTIFACT (an mg-export directory) and write one JSON line per request."""
     if not prompts and input_path is None:
         click.echo(click.get_current_context().get_help(), err=True)
@@ -201,7 +207,7 @@ def main(artifact, prompts, input_path, max_new_tokens, temperature, top_k, top_
     sink = _Output(output)
     try:
         config = engine_config(device, no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs,
-                               fused_rounds, overlap, int4_tensor_cores, row_invariant)
+                               fused_rounds, overlap, int4_tensor_cores, row_invariant, rows_kernel)
         summary = serve(artifact, prompts, input_path, max_new_tokens, params, config, sink, kv_layout,
                         verify=not no_verify)
     except ServeError as e:

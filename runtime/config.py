@@ -55,7 +55,14 @@ class RunConfig:
     `aten::mm`) run as `mg::row_mm` (`mg.kernels.linear`): a Triton linear whose launch depends on the weight's
     shape only, so a row's products are the same bits in a 1-row step, a 16-row DFlash verify or a batch (with
     cuBLAS they are not: greedy DFlash of a bfloat16 artifact equals target-only only up to rounding). Off:
-    torch's `mm`. Changes nothing on CPU."""
+    torch's `mm`. Changes nothing on CPU. rows_kernel: on CUDA (and without row_invariant, which takes
+    precedence), the methods' float32 matrix products of 1-16 rows (decode steps of up to 16 sequences, DFlash
+    verifies and draft blocks) run as `mg::rows_mm` (`mg.kernels.linear`): multiply-adds on CUDA cores in IEEE
+    float32 with a launch set by the weight's shape. At the kernel level it was faster than cuBLAS at 1 and at
+    16 rows on most of the embedded default's weight shapes, whose 2-16-row cuBLAS kernels take 1.5-3.6x its
+    1-row GEMV (an H100); whole steps and rounds with it are not measured yet, hence off by default. Longer
+    calls and other dtypes stay on cuBLAS; the drafter's products it serves run in IEEE float32 rather than
+    TF32. Changes nothing on CPU."""
 
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None
@@ -73,6 +80,7 @@ class RunConfig:
     int4_tensor_cores: bool = False
     overlap: Optional[bool] = None
     row_invariant: bool = False
+    rows_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -129,6 +137,11 @@ class RunConfig:
     def row_invariant_mm(self) -> bool:
         """Serve the program's `aten::mm` with `mg::row_mm`?"""
         return self.row_invariant and self.on_cuda
+
+    @property
+    def rows_mm(self) -> bool:
+        """Serve the program's `aten::mm` with `mg::rows_mm`?"""
+        return self.rows_kernel and self.on_cuda and not self.row_invariant
 
     @property
     def padded(self) -> bool:

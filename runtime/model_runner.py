@@ -183,6 +183,8 @@ class ModelRunner:
                                          **quant.kernels(self.device, config.int4_tensor_cores)}
         if config.row_invariant_mm:  # the program's float matrix products, row-invariant (RunConfig.row_invariant)
             self.ops[MM] = linear.op()
+        elif config.rows_mm:  # few float32 rows on CUDA cores (RunConfig.rows_kernel)
+            self.ops[MM] = linear.rows_op()
         self._plans = {C.METHOD_FORWARD: _Plan(C.METHOD_FORWARD, kv.max_write, self._blank_forward, self.cache,
                                                _cut_forward)}
         self.draft_cache: Optional[KVCache] = None

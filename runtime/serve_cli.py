@@ -40,7 +40,7 @@ def _die(msg: str) -> None:
 @engine_options
 def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_timeout, device, threads, kv_layout,
          no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs, fused_rounds, overlap,
-         int4_tensor_cores, row_invariant, no_verify):
+         int4_tensor_cores, row_invariant, rows_kernel, no_verify):
     """Serve ARTIFACT (an mg-export directory) with an OpenAI-compatible HTTP API."""
     try:
         import fastapi  # noqa: F401
@@ -69,7 +69,7 @@ def main(artifact, host, port, max_queue, api_key, default_max_tokens, shutdown_
     try:
         art = load_artifact(artifact, device=device, layout=kv_layout, verify=not no_verify)
         config = engine_config(device, no_dflash, draft_block, speculation, compile_methods, no_cuda_graphs,
-                               fused_rounds, overlap, int4_tensor_cores, row_invariant)
+                               fused_rounds, overlap, int4_tensor_cores, row_invariant, rows_kernel)
         engine = Engine(art, config)
         codec = TextCodec(art.tokenizer_path, art.manifest.model.bos_id) if art.tokenizer_path else None
     except (ArtifactError, DFlashError, ValueError) as e:

@@ -515,7 +515,7 @@ def cost_key(program: str, device: torch.device, cfg: RunConfig, use_triton: Opt
     method call runs (graphs, padding, compiled code, attention kernels, BLAS library, the drafter's precision,
     the kernels of quantized and float linears) and the fused rounds' blocks."""
     return (program, str(device), cfg.graphs, cfg.padded, cfg.compiled, use_triton, cfg.prefer_cublaslt,
-            cfg.drafter_tf32, cfg.int4_tensor_cores, cfg.row_invariant_mm, blocks)
+            cfg.drafter_tf32, cfg.int4_tensor_cores, cfg.row_invariant_mm, cfg.rows_mm, blocks)
 
 
 def _tables_path(key: tuple, device: torch.device) -> Path:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_common import add_overlap_arg, add_row_invariant_arg, auto_on_off  # noqa: E402
+from script_common import add_matmul_args, add_overlap_arg, auto_on_off, matmul_settings  # noqa: E402
 
 from mg.manifests.constants import DTYPES  # noqa: E402
 
@@ -136,8 +136,8 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
     timing of a short run on a shared machine swings by more than the differences sought, and the noise
     only ever adds time. `traces`: gets {run: adaptive speculation's choices per step} of each prompt's and
     the batch's last adaptive run. `settings`: every engine's other `RunConfig` fields ((name, value) pairs:
-    overlap, row_invariant); `compare_overlap`: one more target-only engine, its steps read back at once, timed
-    in the same rounds."""
+    overlap, row_invariant, rows_kernel); `compare_overlap`: one more target-only engine, its steps read back at
+    once, timed in the same rounds."""
     reqs = _requests(prompts, artifact_dir, max_new)
     from mg.manifests import read_manifest
 
@@ -262,7 +262,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per measurement, target-only and DFlash interleaved; the fastest is kept")
     add_overlap_arg(p)
-    add_row_invariant_arg(p)
+    add_matmul_args(p)
     p.add_argument("--compare-overlap", action="store_true",
                    help="also time target-only with every step read back at once (no overlap), in the same rounds")
     p.add_argument("--out", type=Path, required=True)
@@ -281,10 +281,9 @@ def main() -> int:
     results = {"device": args.device, "dtype": args.dtype or "checkpoint's", "prompts": str(args.prompts),
                "max_new_tokens": args.max_new_tokens,
                "speculation": args.speculation.split(","), "overlap": args.overlap,
-               "row_invariant": args.row_invariant, "layouts": {}}
+               "row_invariant": args.row_invariant, "rows_kernel": args.rows_kernel, "layouts": {}}
     traces = {}
-    settings = tuple(sorted({"overlap": auto_on_off(args.overlap),
-                             "row_invariant": auto_on_off(args.row_invariant)}.items()))
+    settings = tuple(sorted({"overlap": auto_on_off(args.overlap), **matmul_settings(args)}.items()))
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
             art = _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / layout, args.max_context,

@@ -2,8 +2,8 @@
 # All GPU checks and benchmarks in one go: CUDA tests (kernels, caches, sampling, CUDA graphs, engines), the
 # attention, quantized-linear and decode benchmarks, the DFlash evaluation of the embedded default on CUDA, the engine's per-step
 # profile (time, graph captures, host synchronisations), the host work of a plain step per engine (overlapped and not), a DFlash round's
-# calls kernel by kernel (drafter attention as the Triton kernel and as the torch reference; matrix products
-# row-invariant and by cuBLAS), the real-width
+# calls kernel by kernel (drafter attention as the Triton kernel and as the torch reference; matrix products by
+# the few-rows kernel, row-invariant, and by cuBLAS), the real-width
 # decode benchmark and the serving benchmark. Results (logs,
 # JSON, Markdown tables) go to ${OUT:-gpu-results}. Works from a source checkout without installing: the mg.*
 # namespace is mapped with links.
@@ -47,11 +47,11 @@ for step in "${steps[@]}"; do
                       | tee "$OUT/bench_host_step_cuda_overlap_$o.md"
                   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
               done ;;
-        round) for run in kernel,off reference,off kernel,on; do
-                  a="${run%,*}" r="${run#*,}"
+        round) for run in kernel,off,off reference,off,off kernel,on,off kernel,off,on; do
+                  IFS=, read -r a r k <<< "$run"
                   python3 scripts/profile_round.py --device cuda --draft-attention "$a" --row-invariant "$r" \
-                      --out "$OUT/profile_round_cuda_${a}_$r.json" 2>&1 | grep -v "Warning\|return cls" \
-                      | tee "$OUT/profile_round_cuda_${a}_$r.md"
+                      --rows-kernel "$k" --out "$OUT/profile_round_cuda_${a}_${r}_$k.json" 2>&1 \
+                      | grep -v "Warning\|return cls" | tee "$OUT/profile_round_cuda_${a}_${r}_$k.md"
                   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
               done ;;
         real) python3 scripts/bench_decode.py --preset mg-30b --n-layers 16 --modes graphs,compiled \

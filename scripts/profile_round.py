@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from script_common import add_artifact_args, add_row_invariant_arg, artifact_dir, auto_on_off
+from script_common import add_artifact_args, add_matmul_args, artifact_dir, matmul_name, matmul_settings
 
 
 def _kernel_time(prof, calls: int, top: int) -> tuple[float, list]:
@@ -68,7 +68,7 @@ def main() -> None:
     add_artifact_args(p)
     p.add_argument("--draft-attention", default="kernel", choices=["kernel", "reference"],
                    help="the drafter's attention: the cache's Triton kernel (where it has one) or the torch reference")
-    add_row_invariant_arg(p)
+    add_matmul_args(p)
     p.add_argument("--calls", type=int, default=20, help="calls per measurement")
     p.add_argument("--top", type=int, default=8, help="kernels listed per call (CUDA)")
     p.add_argument("--out", type=Path, default=None)
@@ -92,8 +92,7 @@ def main() -> None:
         if art.manifest.draft is None:
             sys.exit(f"profile_round: {args.artifact} has no drafter; allowed: an artifact exported with one")
         t0 = time.perf_counter()
-        engine = Engine(art, RunConfig(device=args.device, dflash=True, fused_rounds=True,
-                                       row_invariant=auto_on_off(args.row_invariant)))
+        engine = Engine(art, RunConfig(device=args.device, dflash=True, fused_rounds=True, **matmul_settings(args)))
         engine.warm_up()
         start_s = time.perf_counter() - t0
         r = engine.runner
@@ -117,7 +116,7 @@ def main() -> None:
     for row in rows:
         row["plain_steps"] = row[key] / step
     print(f"Per call, {args.device}, drafter attention: {args.draft_attention}, matrix products: "
-          f"{'row-invariant' if r.config.row_invariant_mm else 'torch'}; one plain step = forward, 1 row\n")
+          f"{matmul_name(r.config)}; one plain step = forward, 1 row\n")
     print("| call | wall us | kernel us | plain steps |")
     print("|---|---|---|---|")
     for row in rows:
@@ -129,7 +128,7 @@ def main() -> None:
                                                    f"({k['launches_per_call']:.0f}x)" for k in row["top"]))
     if args.out is not None:
         args.out.write_text(json.dumps({"device": args.device, "draft_attention": args.draft_attention,
-                                        "row_invariant": r.config.row_invariant_mm,
+                                        "row_invariant": r.config.row_invariant_mm, "rows_kernel": r.config.rows_mm,
                                         "torch": torch.__version__, "engine_start_s": start_s, "rows": rows},
                                        indent=1))
 

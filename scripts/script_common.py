@@ -26,16 +26,30 @@ def add_overlap_arg(p: argparse.ArgumentParser) -> None:
 
 
 def auto_on_off(choice: str) -> bool | None:
-    """An auto | on | off choice (`--overlap`, or on | off of `--row-invariant`) as its `RunConfig` value: None |
-    True | False."""
+    """An auto | on | off choice (`--overlap`, or on | off of `--row-invariant` and `--rows-kernel`) as its
+    `RunConfig` value: None | True | False."""
     return {"auto": None, "on": True, "off": False}[choice]
 
 
-def add_row_invariant_arg(p: argparse.ArgumentParser) -> None:
-    """`--row-invariant on|off`: `RunConfig.row_invariant` of the script's engines."""
+def add_matmul_args(p: argparse.ArgumentParser) -> None:
+    """`--row-invariant on|off` and `--rows-kernel on|off`: what serves the float matrix products of the script's
+    engines (`matmul_settings`)."""
     p.add_argument("--row-invariant", default="off", choices=["on", "off"],
                    help="float matrix products by the row-invariant Triton linear on CUDA (RunConfig.row_invariant) "
                         "[default: off]")
+    p.add_argument("--rows-kernel", default="off", choices=["on", "off"],
+                   help="float32 products of 1-16 rows by the Triton multiply-add kernel on CUDA "
+                        "(RunConfig.rows_kernel) [default: off]")
+
+
+def matmul_settings(args: argparse.Namespace) -> dict:
+    """The `RunConfig` fields of `add_matmul_args`' options."""
+    return {"row_invariant": auto_on_off(args.row_invariant), "rows_kernel": auto_on_off(args.rows_kernel)}
+
+
+def matmul_name(config) -> str:
+    """What serves a `RunConfig`'s float matrix products, for tables."""
+    return "row-invariant" if config.row_invariant_mm else "rows kernel" if config.rows_mm else "torch"
 
 
 def artifact_dir(artifact: Path | None, layout: str, tmp: Path) -> Path:

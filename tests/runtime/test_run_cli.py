@@ -256,3 +256,18 @@ def test_edited_bos_or_eos_in_the_manifest_is_refused(artifact_copy, key, value,
     code, _, stderr = _run([artifact_copy, "--prompt", "x"])
     line = _error_line(stderr)
     assert code == 2 and f"'{method}' returns {original}" in line and f"says {value}" in line
+
+
+def test_engine_config_maps_the_matrix_product_flags():
+    """--rows-kernel turns the few-rows kernel on (off by default), --row-invariant takes precedence over it, and
+    neither changes anything on CPU."""
+    from mg.runtime.cli import engine_config
+
+    def config(device, row_invariant, rows_kernel):
+        return engine_config(device, False, None, "adaptive", None, False, None, None, False, row_invariant,
+                             rows_kernel)
+
+    assert config("cuda", False, True).rows_mm and not config("cuda", False, False).rows_mm
+    both = config("cuda", True, True)
+    assert both.row_invariant_mm and not both.rows_mm
+    assert not config("cpu", False, True).rows_mm

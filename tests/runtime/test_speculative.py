@@ -689,8 +689,8 @@ def test_cost_tables_are_keyed_by_every_setting_that_changes_a_calls_kernels():
     products had priced fused rounds at 1.55 plain steps where cuBLAS ones take 3.35)."""
     cuda = torch.device("cuda")
     base = RunConfig(device="cuda")
-    settings = [dict(row_invariant=True), dict(int4_tensor_cores=True), dict(draft_tf32=False), dict(cublaslt=False),
-                dict(compile=False), dict(cuda_graphs=False)]
+    settings = [dict(row_invariant=True), dict(rows_kernel=True), dict(int4_tensor_cores=True), dict(draft_tf32=False),
+                dict(cublaslt=False), dict(compile=False), dict(cuda_graphs=False)]
     keys = {spec_module.cost_key("p", cuda, base, True, (16,))}
     for changed in settings:
         keys.add(spec_module.cost_key("p", cuda, RunConfig(**{"device": "cuda", **changed}), True, (16,)))
