@@ -12,8 +12,8 @@ setting at the call.
 
 `rows_mm` (`RunConfig.rows_kernel`): on CUDA, for float32 operands, a weight's transpose and 1 to `FEW_ROWS`
 rows, `triton_rows.linear_rows_triton`: multiply-adds in IEEE float32 (whatever torch's TF32 setting), which at
-the embedded default's weight shapes was faster than cuBLAS at 1 and at 16 rows on most shapes (an H100 sweep,
-BENCHMARKS.md); longer calls and other dtypes go to `torch.mm`.
+the embedded default's weight shapes was faster than `torch.mm` on cuBLAS at 1 and at 16 rows on most shapes (an
+H100 sweep without cuBLASLt, BENCHMARKS.md); longer calls and other dtypes go to `torch.mm`.
 
 The runtime serves `aten::mm` with one of them through its op table (compiled methods trace the op as an opaque
 call). Knows nothing about models or the runtime.

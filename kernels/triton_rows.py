@@ -2,15 +2,20 @@
 cores in fp32 (kernel: `triton_rows_jit.py`), availability and launch plan.
 
 What it is for: a decode step, a DFlash verify or draft block, or a small batch multiplies a handful of rows by
-each weight. At the embedded default's sizes every such product is bound by latency, not arithmetic, and
-cuBLAS serves 2-16 float32 rows with small-N kernels that take 1.5-3.6x its 1-row GEMV (an H100, BENCHMARKS.md);
-this kernel reads each weight tile once for a tile of up to `BLOCK_M` rows and was faster than cuBLAS at 1 and
-at 16 rows on most of the embedded default's weight shapes.
+each weight. At the embedded default's sizes every such product is bound by latency, not arithmetic; in an H100
+sweep (BENCHMARKS.md, `docs/bench_rows_kernel_h100_sweep.json`) `torch.mm` on cuBLAS took 1.5-3.6x its 1-row
+time for 16 float32 rows of the target's weights, and this kernel, which reads each weight tile once for a tile
+of up to `BLOCK_M` rows, was faster than that at 1 and at 16 rows on most of those shapes (cuBLASLt, which the
+runtime prefers on CUDA, was not in that sweep).
 
-The launch (`plan_rows`) reads the weight's shape only and every row's sums run in the order K's tiling sets,
-so a row gets the same bits in a call of 1 row, of 16 or of 200 (row tiles of 16, each reading the weight
-again: long calls are better served by a matrix-multiply kernel). Launches depend only on shapes, so CUDA
-graphs capture and replay them. Knows nothing about models or the runtime; callers check `available()`.
+The launch's tiles (`plan_rows`) come from the weight's shape and the device's SM count; the row tile (1-16
+rows, by the call) changes how many rows a program holds, not the order of a row's sums, which K's tiling
+sets. So a row gets the same bits in a call of 1 row, of 16 or of 200 (row tiles of 16, each reading the weight
+again: long calls are better served by a matrix-multiply kernel). That rests on the compiler: Triton 3.6,
+compiling for sm_90, gives every row tile of 1-16 rows the same layout along K and the same reduction across
+warps (read from its generated code); `tests/kernels/test_triton_rows.py` checks the bits on CUDA (the
+interpreter cannot show them). Launches depend only on shapes, so CUDA graphs capture and replay them. Knows nothing about models or the runtime; callers check
+`available()`.
 """
 
 from __future__ import annotations

@@ -22,18 +22,19 @@ def _linear_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_n = offs_n.to(tl.int64)  # weight row offsets: N * K may pass 2**31 (an output head)
+    rows_m = offs_m.to(tl.int64)  # row offsets in int64: rows x N (and N x K) may pass 2**31 (an output head)
+    rows_n = offs_n.to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+        x = tl.load(x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         acc += x[:, None, :] * w[None, :, :]
     out = tl.sum(acc, axis=2)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rows_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])

@@ -60,7 +60,7 @@ _LOADED: dict[str, Callable] = {}
 @functools.lru_cache(maxsize=None)
 def _sources_hash() -> str:
     """What the traced graph depends on besides the program and torch: the interpreter, its op table, this
-    tracing code and the `mg::` op schemas (attention, quantized linears, the row-invariant product)."""
+    tracing code and the `mg::` op schemas (attention, quantized linears, the float products of `mg.kernels.linear`)."""
     from . import program, program_ops
 
     h = hashlib.sha256()

@@ -9,7 +9,7 @@ after checking the file holds each key with the program's dtype and shape. Each 
 over a values table: the per-call loop only indexes lists and calls torch.
 Constant subgraphs (e.g. weight permutes) are evaluated once at load. Custom
 ops (`mg::*`) are served by Python callables bound by the caller, who may also serve `aten::mm`
-(`program_ops.SERVABLE_ATEN`: the runtime's row-invariant products). Unsupported
+(`program_ops.SERVABLE_ATEN`: the runtime's float products). Unsupported
 operators or instructions are refused at load, naming them.
 
 Knows the ExecuTorch program format and the operator table (`program_ops`);

@@ -36,7 +36,8 @@ GENERIC_ATEN = frozenset("""
 """.split())
 
 # aten ops a caller of `Program.run` may serve with its own callable (its `ops` table, by this name): the
-# runtime's row-invariant matrix product (`mg.kernels.linear`). Without an entry, torch's op runs.
+# runtime's float matrix products (`mg.kernels.linear`: row-invariant or few-row). Without an entry, torch's op
+# runs.
 MM = "aten::mm"
 SERVABLE_ATEN = frozenset({MM})
 

@@ -1,6 +1,6 @@
 """What several benchmark scripts parse and prepare alike: an artifact argument (or the embedded default,
 exported into a temporary folder) with its device and layout, the engines' overlap
-(`--overlap`) and matrix products (`--row-invariant`), and comma-separated integer lists. Scripts
+(`--overlap`) and matrix products (`--row-invariant`, `--rows-kernel`), and comma-separated integer lists. Scripts
 run as `python scripts/NAME.py` import it from their own folder."""
 
 from __future__ import annotations

@@ -38,12 +38,13 @@ def test_matches_torch(m, n, k, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gets_the_same_bits_whatever_the_rows_beside_it(dtype):
-    """A row's sums run in an order set by the weight's shape alone: the same bits alone, among 3, 16 or 40 rows
-    (three row tiles), with either tile shape `plan_rows` picks (and a K that is no multiple of the tile)."""
+    """A row's sums run in an order set by K's tiling alone: the same bits alone, among 2, 3, 8, 16 or 40 rows
+    (every row tile, and three tiles of 16), with either tile shape `plan_rows` picks (and a K that is no
+    multiple of the tile)."""
     for n, k in ((24, 640), (1200, 200)) if ON_CUDA else ((24, 200), (1200, 72)):
         x, w = _data(40, n, k, dtype, seed=5)
         full = tr.linear_rows_triton(x, w)
-        for rows in (1, 3, 16):
+        for rows in (1, 2, 3, 8, 16):  # every row tile: 1, 2, 4, 8, 16
             assert torch.equal(tr.linear_rows_triton(x[:rows], w), full[:rows])
         for i in (0, 17, 39):
             assert torch.equal(tr.linear_rows_triton(x[i:i + 1], w)[0], full[i])
@@ -70,8 +71,8 @@ def test_bad_arguments_are_refused_in_one_line():
     x, w = _data(2, 8, 64, torch.float32, seed=1)
     with pytest.raises(ValueError, match="share a float dtype"):
         tr.linear_rows_triton(x, w.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="contiguous rows"):
-        tr.linear_rows_triton(x, w.T.contiguous().T.T)
+    with pytest.raises(ValueError, match=r"strides \(1, 8\)"):  # [8, 64] whose columns, not rows, are contiguous
+        tr.linear_rows_triton(x, w.T.contiguous().T)
     with pytest.raises(ValueError, match=r"K = 64"):
         tr.linear_rows_triton(x, w[:, :32].contiguous())
     if ON_CUDA:
