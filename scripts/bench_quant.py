@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 from math import nan
 
 import torch
 
-from script_common import int_list
+from script_common import cuda_kernels_refusal, graph_time, int_list
 
 SCHEMES = ("bf16", "bf16-rows", "int8", "int4", "int4-tc", "int8-ref", "int4-ref")
 # Each kernel checked against its reference.
@@ -47,34 +46,10 @@ def _linears(preset: str, head: bool) -> list[tuple[str, int, int]]:
     return out
 
 
-def _graph_time(fn, calls: int, reps: int) -> float:
-    """Seconds per call of `fn()`: `calls` calls captured in one CUDA graph, median of `reps` replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()  # compiles the kernels, warms the caches, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
-
-
 def _copy_bandwidth(nbytes: int = 1 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * nbytes / _graph_time(lambda: dst.copy_(src), 5, 5)
+    return 2 * nbytes / graph_time(lambda: dst.copy_(src), 5, 5)
 
 
 def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float) -> list[dict]:
@@ -104,7 +79,7 @@ def bench(linears, rows: list[int], group: int, calls: int, reps: int, bw: float
                 del fns["int4-tc"]
                 row["us"]["int4-tc"] = row["max_err_vs_ref"]["int4-tc"] = nan
             for scheme, fn in fns.items():
-                row["us"][scheme] = 1e6 * _graph_time(fn, calls, reps)
+                row["us"][scheme] = 1e6 * graph_time(fn, calls, reps)
             for scheme, nbytes in stored.items():
                 row["floor_us"][scheme] = 1e6 * nbytes / bw
             for scheme, ref in KERNELS.items():
@@ -160,16 +135,13 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = int_list(p, "--rows", args.rows)
-    if not torch.cuda.is_available():
-        print("bench_quant: needs a CUDA device (the kernels it times are CUDA kernels); torch sees none",
-              file=sys.stderr)
-        return 2
     from mg.kernels import triton_quant
-
-    if not triton_quant.available():
-        print(f"bench_quant: Triton unavailable ({triton_quant.reason})", file=sys.stderr)
-        return 2
     from mg.kernels.quiet import quiet_dependencies
+
+    refusal = cuda_kernels_refusal("bench_quant", triton_quant)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
 
     quiet_dependencies()
     bw = _copy_bandwidth()

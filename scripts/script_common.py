@@ -1,11 +1,12 @@
 """What several benchmark scripts parse and prepare alike: an artifact argument (or the embedded default,
-exported into a temporary folder) with its device and layout, the engines' overlap
-(`--overlap`) and matrix products (`--row-invariant`, `--rows-kernel`), and comma-separated integer lists. Scripts
-run as `python scripts/NAME.py` import it from their own folder."""
+exported into a temporary folder) with its device and layout, the engines' overlap (`--overlap`) and matrix
+products (`--row-invariant`, `--rows-kernel`), comma-separated integer lists, and a kernel's time in a CUDA
+graph (`graph_time`). Scripts run as `python scripts/NAME.py` import it from their own folder."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -76,3 +77,41 @@ def int_list(p: argparse.ArgumentParser, option: str, text: str, empty: bool = F
     if not values or min(values) < 1:
         p.error(f"{option} is {text!r}; allowed: comma-separated integers >= 1" + (" or ''" if empty else ""))
     return values
+
+
+def graph_time(fn, calls: int, reps: int) -> float:
+    """Seconds per call of `fn()`: `calls` calls captured in one CUDA graph, median of `reps` replays."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()  # compiles the kernels, warms the caches, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def cuda_kernels_refusal(script: str, kernels) -> str:
+    """"" when this machine can run the CUDA kernels of `kernels` (an `mg.kernels` Triton module); otherwise the
+    kernel benchmark `script`'s one-line refusal."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"{script}: needs a CUDA device (the kernels it times are CUDA kernels); torch sees none"
+    if not kernels.available():
+        return f"{script}: Triton unavailable ({kernels.reason})"
+    return ""
