@@ -60,7 +60,9 @@ def _shapes(checkpoint: Path | None, draft_checkpoint: Path | None) -> list[dict
 
 def bench(shapes: list[dict], rows: list[int], calls: int, reps: int) -> list[dict]:
     from mg.kernels import triton_rows
+    from mg.kernels.precision import cuda_fp32_matmuls
 
+    library_before = torch.backends.cuda.preferred_blas_library()
     results = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for shape in shapes:
@@ -81,18 +83,15 @@ def bench(shapes: list[dict], rows: list[int], calls: int, reps: int) -> list[di
                     fn = (lambda: torch.mm(x, w.T))
                 else:
                     fn = (lambda: triton_rows.linear_rows_triton(x, w, plan))
-                torch.backends.cuda.matmul.allow_tf32 = tf32
-                try:
+                with cuda_fp32_matmuls(tf32):  # captured so: the graph keeps the kernels chosen now
                     row["error"][label] = (fn().double() - ref).abs().max().item() / top
                     row["us"][label] = graph_time(fn, calls, reps) * 1e6
-                finally:
-                    torch.backends.cuda.matmul.allow_tf32 = False
             bad = {label: e for label, e in row["error"].items() if not label.endswith("tf32") and e > 1e-5}
             if bad:
                 raise RuntimeError(f"{shape['model']} {n} x {k}, {m} rows: error over 1e-5 of the largest output: "
                                    f"{bad}")
             results.append(row)
-    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch.backends.cuda.preferred_blas_library(library_before)
     return results
 
 
