@@ -18,6 +18,8 @@ orders of the prompts (the first: the file's).
 Left out: prompt processing (the same with or without DFlash), the engine's step work beyond the host times
 given, and the waiting context rows in the choice (their append is timed; the choice here prices it at zero).
 Estimator settings can be changed for an experiment (`--prior`, `--strength`, `--decay`, `--probe-budget`).
+The tables are this machine's as measured when the engine starts, or (`--tables`) those an earlier run recorded:
+a machine under other load measures other tables, and its numbers then move with them.
 
     python scripts/replay_speculation.py --out replay.json
     python scripts/replay_speculation.py --probe-budget 0.2 --orders 10 --out replay_budget.json
@@ -118,6 +120,17 @@ def replay_batch(spec, prompts: list[dict], max_new: int, host: dict[str, float]
             "acceptance_length": (accepted + rounds) / rounds if rounds else 0.0, "chosen_k_hist": hist}
 
 
+def read_tables(p: argparse.ArgumentParser, path: Path) -> dict[str, dict[int, float]]:
+    """The cost tables an earlier `--out` recorded (seconds at 1/2/4/8/16 rows or drafting sequences), or the
+    parser's error in one line (exit 2) naming the file and what is wrong."""
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))["tables"]
+        return {name: {int(n): float(t) for n, t in recorded[name].items()} for name in ("forward", "draft", "append")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        p.error(f"--tables {path}: no cost tables ({type(exc).__name__}: {exc}); allowed: the JSON of an earlier "
+                f"--out")
+
+
 def replay(spec, oracle: dict[str, dict], order: list[str], max_new: int, host: dict[str, float],
            passes: int) -> dict[str, dict]:
     """Every prompt of `order`, `passes` times in one speculator (slot 0, one at a time); -> the last pass's
@@ -168,6 +181,9 @@ def main() -> int:
     p.add_argument("--oracle", type=Path, default=None,
                    help="read the acceptance per position from this JSON (written by an earlier --out) instead of "
                         "computing it")
+    p.add_argument("--tables", type=Path, default=None,
+                   help="read the cost tables from this JSON (written by an earlier --out) instead of measuring "
+                        "this machine's: the same tables give the same numbers on any machine, under any load")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     try:
@@ -184,6 +200,7 @@ def main() -> int:
     if args.probe_budget is not None and not args.probe_budget > 0:
         p.error(f"--probe-budget is {args.probe_budget}; allowed: a number > 0")
     host = dict(zip(("target_only", "plain", "drafting"), (h * 1e-6 for h in host_us)))
+    given_tables = read_tables(p, args.tables) if args.tables is not None else None
 
     from mg.kernels.quiet import quiet_dependencies
 
@@ -207,6 +224,9 @@ def main() -> int:
     engine = Engine(artifact, RunConfig(speculation="adaptive"))  # measures (or reads) the cost tables
     spec = engine.spec
     spec.runner.call_log = None  # no timed calls: the tables stay as measured
+    if given_tables is not None:
+        spec.costs = speculative.CostModel(given_tables["forward"], given_tables["draft"], given_tables["append"],
+                                           padded=spec.costs.padded)
     c = spec.costs
     if args.oracle is not None:
         oracle = json.loads(args.oracle.read_text(encoding="utf-8"))["oracle"]

@@ -1,6 +1,6 @@
 """Claims about scripts/replay_speculation.py: the runtime's draft choice replayed against known acceptance
 drafts where the text is predictable and not where it is not, commits exactly the tokens asked for, gives the
-same numbers twice, and bad input is refused in one line."""
+same numbers twice, reads recorded cost tables back, and bad input is refused in one line."""
 
 from __future__ import annotations
 
@@ -106,9 +106,27 @@ def test_replay_gives_the_same_numbers_twice(spec):
     (["--orders", "0"], "allowed: --max-new-tokens >= 2, --passes >= 1, --orders >= 1"),
     (["--batch", "9"], "--batch is 9; allowed: an integer in [0, 8] (the sequences the export serves at once)"),
     (["--probe-budget", "0"], "--probe-budget is 0.0; allowed: a number > 0"),
+    (["--tables", "missing.json"], "--tables missing.json: no cost tables (FileNotFoundError"),
 ])
 def test_replay_refuses_bad_input_in_one_line(tmp_path, args, message):
     run = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path / "r.json")],
                          capture_output=True, text=True)
     assert run.returncode == 2 and message in run.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_recorded_tables_are_read_back_as_written(tmp_path):
+    """`--tables` reads what an `--out` recorded (seconds by row count, keys as JSON strings), so a replay can use
+    another machine's or another run's tables; a file without them is refused."""
+    import argparse
+    import json
+
+    recorded = {"forward": {"1": 0.02, "16": 0.03}, "draft": {"1": 0.01}, "append": {"1": 5e-4}}
+    path = tmp_path / "replay.json"
+    path.write_text(json.dumps({"tables": recorded}))
+    p = argparse.ArgumentParser()
+    assert rs.read_tables(p, path) == {"forward": {1: 0.02, 16: 0.03}, "draft": {1: 0.01}, "append": {1: 5e-4}}
+    path.write_text(json.dumps({"tables": {"forward": {}}}))
+    with pytest.raises(SystemExit):
+        rs.read_tables(p, path)
+
