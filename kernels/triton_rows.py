@@ -14,8 +14,8 @@ sets. So a row gets the same bits in a call of 1 row, of 16 or of 200 (row tiles
 again: long calls are better served by a matrix-multiply kernel). That rests on the compiler: Triton 3.6,
 compiling for sm_90, gives every row tile of 1-16 rows the same layout along K and the same reduction across
 warps (read from its generated code); `tests/kernels/test_triton_rows.py` checks the bits on CUDA (the
-interpreter cannot show them). Launches depend only on shapes, so CUDA graphs capture and replay them. Knows nothing about models or the runtime; callers check
-`available()`.
+interpreter cannot show them). Launches depend only on shapes, so CUDA graphs capture and replay them. Knows
+nothing about models or the runtime; callers check `available()`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@
 # JSON, Markdown tables) go to ${OUT:-gpu-results}. Works from a source checkout without installing: the mg.*
 # namespace is mapped with links.
 #
-#   scripts/gpu_checks.sh                      # everything: tests attention quant rows decode eval profile host round real
-#                                              # real-quant serve
+#   scripts/gpu_checks.sh                      # everything: tests attention quant rows decode eval profile host
+#                                              # round real real-quant serve
 #   scripts/gpu_checks.sh tests eval           # only those steps, in that order
 #
 # `real` exports the first 16 layers of MG-30B at full width (~21 GB of weights, written under
