@@ -422,9 +422,17 @@ class CostModel:
 
     def record(self, kind: str, predicted: float, measured: float, n: int = 1) -> None:
         """A whole step of `kind` and n decoding sequences took `measured` seconds where the tables predicted
-        `predicted`."""
+        `predicted`. A plain step that took more than `STALL_RATIO` times its prediction is no sample of its
+        host work: the machine stalled (on an H100, a stretch of 32 plain steps at 1.6-13x their usual time
+        between two prompts), and rounds, not timed in the stall, would keep their price while plain steps
+        looked slow, so rounds the drafter does not serve would be chosen until the stall's samples left the
+        window. Left out, a stall prices nothing (rounds' slow samples are kept: they only price rounds
+        higher, never the other way)."""
         bucket = _bucket(n)
         self._host.clock[bucket] += 1
+        if kind == PLAIN and measured > STALL_RATIO * predicted > 0:
+            self._host.stalls += 1
+            return
         window = self._host.windows.get((kind, bucket))
         if window is None:
             window = self._host.windows[(kind, bucket)] = _Window(self.plain_window if kind == PLAIN else self.window)
@@ -438,6 +446,7 @@ class HostWork:
     def __init__(self):
         self.windows: dict[tuple, _Window] = {}
         self.clock: collections.Counter = collections.Counter()
+        self.stalls = 0  # plain steps left out as stalls (`CostModel.record`)
 
 
 class _Window:
@@ -475,6 +484,7 @@ def _bucket(n: int) -> int:
 
 KEEP_MARGIN, KEEP_STEPS = 0.9, 15  # a plain step chosen with a round 10% worse or more is kept for 15 more steps
 _NONE: frozenset = frozenset()  # no slot probes this step
+STALL_RATIO = 2.0  # a plain step timed above this many times its predicted seconds is a stall (CostModel.record)
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
 WAITING_BYTES = 256 << 20  # committed hidden rows waiting for the drafter, all slots together, at most about this
 
