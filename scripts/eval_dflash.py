@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_common import add_matmul_args, add_overlap_arg, auto_on_off, matmul_settings  # noqa: E402
+from script_common import add_matmul_args, add_overlap_arg, auto_on_off, matmul_name, matmul_settings  # noqa: E402
 
 from mg.manifests.constants import DTYPES  # noqa: E402
 
@@ -278,10 +278,13 @@ def main() -> int:
         from mg.export.artifact import default_checkpoints
 
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
+    from mg.runtime.config import RunConfig
+
     results = {"device": args.device, "dtype": args.dtype or "checkpoint's", "prompts": str(args.prompts),
                "max_new_tokens": args.max_new_tokens,
                "speculation": args.speculation.split(","), "overlap": args.overlap,
-               "row_invariant": args.row_invariant, "rows_kernel": args.rows_kernel, "layouts": {}}
+               "row_invariant": args.row_invariant, "rows_kernel": args.rows_kernel,
+               "matmul": matmul_name(RunConfig(device=args.device, **matmul_settings(args))), "layouts": {}}
     traces = {}
     settings = tuple(sorted({"overlap": auto_on_off(args.overlap), **matmul_settings(args)}.items()))
     with tempfile.TemporaryDirectory() as tmp:
