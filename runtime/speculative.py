@@ -420,23 +420,29 @@ class CostModel:
             return unseen
         return median if count >= self.min_samples else min(median, unseen)
 
-    def record(self, kind: str, predicted: float, measured: float, n: int = 1) -> None:
+    def record(self, kind: str, predicted: float, measured: float, n: int = 1) -> bool:
         """A whole step of `kind` and n decoding sequences took `measured` seconds where the tables predicted
-        `predicted`. A plain step that took more than `STALL_RATIO` times its prediction is no sample of its
-        host work: the machine stalled (on an H100, a stretch of 32 plain steps at 1.6-13x their usual time
-        between two prompts), and rounds, not timed in the stall, would keep their price while plain steps
-        looked slow, so rounds the drafter does not serve would be chosen until the stall's samples left the
-        window. Left out, a stall prices nothing (rounds' slow samples are kept: they only price rounds
-        higher, never the other way)."""
+        `predicted`. -> whether it became a sample. A plain step that took more than `STALL_RATIO` times what a
+        plain step is priced at now (its prediction plus the window's median, once the window holds
+        `min_samples`) is none: a stall (on an H100, 32 plain steps at 1.6-13x their predicted 0.22 ms between
+        two prompts), during which rounds, not timed, would keep their price while plain steps looked slow,
+        so rounds the drafter does not serve would run until the stall's samples left the window. Measured
+        against the window's own median, not the prediction alone: where a plain step's host work is as long
+        as its forward (no overlap on a GPU, many sequences) its normal steps stay samples, and a change that
+        lasts but stays under the ratio is followed. Rounds' slow samples are kept: they only price rounds
+        higher."""
         bucket = _bucket(n)
         self._host.clock[bucket] += 1
-        if kind == PLAIN and measured > STALL_RATIO * predicted > 0:
-            self._host.stalls += 1
-            return
         window = self._host.windows.get((kind, bucket))
+        if kind == PLAIN and window is not None:
+            count, median = window.median(self._host.clock[bucket] - self.plain_age)
+            if count >= self.min_samples and measured > STALL_RATIO * (predicted + median) > 0:
+                self._host.stalls += 1
+                return False
         if window is None:
             window = self._host.windows[(kind, bucket)] = _Window(self.plain_window if kind == PLAIN else self.window)
         window.append(measured - predicted, self._host.clock[bucket])
+        return True
 
 
 class HostWork:
@@ -484,7 +490,7 @@ def _bucket(n: int) -> int:
 
 KEEP_MARGIN, KEEP_STEPS = 0.9, 15  # a plain step chosen with a round 10% worse or more is kept for 15 more steps
 _NONE: frozenset = frozenset()  # no slot probes this step
-STALL_RATIO = 2.0  # a plain step timed above this many times its predicted seconds is a stall (CostModel.record)
+STALL_RATIO = 2.0  # a plain step timed above this many times a plain step's price is a stall (CostModel.record)
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
 WAITING_BYTES = 256 << 20  # committed hidden rows waiting for the drafter, all slots together, at most about this
 
@@ -603,7 +609,7 @@ class Speculator:
         # A list to have adaptive speculation's choices logged, one dict per step (scripts: why it drafted or
         # not): sequences, the plain step's predicted seconds and each option's expected tokens and seconds
         # ("kept": True instead when a kept plain step was not priced again), then the step's kind and
-        # measured seconds.
+        # measured seconds ("stall": True when a plain step's time was left out as a stall).
         self.trace: Optional[list] = None
         if self.adaptive:
             self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
@@ -853,9 +859,11 @@ class Speculator:
                 predicted = c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
                 if self._flushed:
                     predicted += c.append(self._flushed)
-            c.record(kind, predicted, measured_s, self._n)
+            sample = c.record(kind, predicted, measured_s, self._n)
             if self.trace is not None and self.trace and "measured" not in self.trace[-1]:
                 self.trace[-1].update(kind=kind, predicted=predicted, measured=measured_s)
+                if not sample:
+                    self.trace[-1]["stall"] = True
         if self._probed:
             if timed:
                 self._judge_probes(measured_s)
