@@ -2,10 +2,10 @@
 scripts/train_tiny.py holds out of training (split by a hash of the file's path).
 
 Each prompt is the 8 lines of a held-out file that end with its first `def` line after line 30, so a
-completion continues a real function; the training script evaluates its drafter on prompts made by the same
-rule (`train_tiny.heldout_prompts`). A prompt whose text an earlier file already gave is skipped: five codec
-modules of the standard library share the same 8 lines, and an evaluation over them would count one prompt
-five times. Deterministic: sorted files, fixed rule.
+completion continues a real function; the training script evaluates its drafter on prompts made by that rule
+(`train_tiny.heldout_prompts`), repeated texts included. Here a prompt whose text an earlier file gave is
+skipped: five codec modules of the standard library share the same 8 lines, and an evaluation over them would
+count one prompt five times. Deterministic: sorted files, fixed rule.
 
     python scripts/make_heldout_prompts.py [--out tests/data/heldout_prompts.jsonl]
 """
@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("-n", type=int, default=20)
     args = p.parse_args()
     corpus = train_tiny.collect_corpus(train_tiny.Settings.heldout_fraction, 0)
+    if args.n < 1:
+        p.error(f"-n is {args.n}; allowed: an integer >= 1")
     rows, seen = [], set()
     for rel, prompt in train_tiny.heldout_prompts(corpus, len(corpus.heldout_files)):
         if prompt not in seen and len(rows) < args.n:

@@ -103,7 +103,7 @@ class Settings:
     rollout_len: int = 384         # ... of this many tokens in all (prompt + continuation) ...
     rollout_prompts: tuple[int, ...] = (16, 32, 64, 128, 192)  # ... after <bos> + a training window's first P - 1
     rollout_batch: int = 2048      # sequences generated at once
-    eval_prompt_count: int = 64    # held-out prompts (scripts/make_heldout_prompts.py's rule) for the loop eval
+    eval_prompt_count: int = 64    # held-out prompts (heldout_prompts; repeated texts kept) for the loop eval
     eval_new_tokens: int = 64      # greedy tokens generated per held-out prompt
     warmup_steps: int = 60
     weight_decay: float = 0.1
