@@ -44,6 +44,7 @@ class Summary:
     accepted_tokens: int = 0
     mean_acceptance_length: float = 0.0
     chosen_k_hist: tuple = ()  # [k] = decode steps of one sequence that verified k drafts
+    stalls: int = 0  # plain steps left out of adaptive speculation's pricing as stalls (`SpecStats.stalls`)
     cuda_graphs: bool = False
     graph_captures: int = 0
     graph_replays: int = 0
@@ -82,6 +83,7 @@ def _summary(layout: str, n: int, failed: int, engine: Engine) -> Summary:
                    dflash=engine.spec is not None, speculation=config.speculation if engine.spec else "",
                    rounds=spec.rounds, drafted_tokens=spec.drafted_tokens, accepted_tokens=spec.accepted_tokens,
                    mean_acceptance_length=spec.mean_acceptance_length, chosen_k_hist=tuple(spec.chosen_k_hist),
+                   stalls=spec.stalls,
                    cuda_graphs=config.graphs, graph_captures=graphs.captures, graph_replays=graphs.replays,
                    recaptures=graphs.recaptures, weights=engine.runner.artifact.manifest.weights_label,
                    overlapped_steps=stats.overlapped_steps)

@@ -127,6 +127,7 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_hist: list = field(default_factory=list)  # [a] = rounds that accepted a drafts
     chosen_k_hist: list = field(default_factory=list)  # [k] = decode sequence-steps that verified k drafts
+    stalls: int = 0  # plain steps whose time was left out of the host-work windows as stalls (`CostModel.record`)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -864,6 +865,8 @@ class Speculator:
                 self.trace[-1].update(kind=kind, predicted=predicted, measured=measured_s)
                 if not sample:
                     self.trace[-1]["stall"] = True
+            if not sample:
+                self.stats.stalls += 1
         if self._probed:
             if timed:
                 self._judge_probes(measured_s)

@@ -5,7 +5,8 @@ For each KV layout: export the checkpoint pair, then run the prompts of `--promp
 adaptive, fixed, or both), each prompt alone (per-prompt acceptance and time) and all together
 (throughput), each measurement `--repeats` times (target-only and DFlash interleaved; the fastest run
 is kept), every run of a setting on one engine built and warmed up before the first clock starts. Prints a Markdown table and writes JSON with the distribution per prompt and per block row,
-the histogram of chosen draft lengths k (k = 0: a plain decode step), every run's time, the single
+the histogram of chosen draft lengths k (k = 0: a plain decode step), every run's time and every DFlash
+run's stalls (plain steps left out of adaptive speculation's pricing, over twice their price), the single
 prompts' total target-only time over their total DFlash time, and how much target-only moved between its
 runs (slowest over fastest): a speed-up within about that spread of 1.0 cannot be told from 1.0.
 
@@ -146,7 +147,8 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
     lossless = True
 
     def timed(batch, name):
-        """({policy or None: every run's seconds}, {policy or None: (results, stats) of the last run})."""
+        """({policy or None: every run's seconds}, {policy or None: (results, stats) of the last run}); every
+        run's stalls (`SpecStats.stalls`) go to `stalls` {name: {policy: [...]}}."""
         times, last = {}, {}
         for _ in range(repeats):
             for policy in [None] + ([READ_BACK] if compare_overlap else []) + policies:
@@ -156,8 +158,11 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
                     traces[name] = trace
                 times.setdefault(policy, []).append(s)
                 last[policy] = (res, stats)
+                if policy in policies:
+                    stalls.setdefault(name, {}).setdefault(policy, []).append(stats.stalls)
         return times, last
 
+    stalls: dict = {}
     target_spreads = []  # each prompt's target-only runs: slowest over fastest - 1
     overlap_single = []  # each prompt's target-only time read back at once over overlapped (compare_overlap)
     for req in reqs:
@@ -175,7 +180,8 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
                 "id": req.id, "prompt_tokens": len(req.prompt), "generated": len(sd[0].tokens),
                 "lossless": ar[0].tokens == sd[0].tokens, "acceptance_length": sd_stats.mean_acceptance_length,
                 "chosen_k_hist": list(sd_stats.chosen_k_hist), "target_only_s": t[None], "dflash_s": t[policy],
-                "speedup": t[None] / t[policy], "target_only_runs_s": runs_s[None], "dflash_runs_s": runs_s[policy]})
+                "speedup": t[None] / t[policy], "target_only_runs_s": runs_s[None], "dflash_runs_s": runs_s[policy],
+                "dflash_runs_stalls": stalls[req.id][policy]})
     runs_s, runs = timed(reqs, "batched")
     t = {p: min(r) for p, r in runs_s.items()}
     ar = runs[None][0]
@@ -202,7 +208,7 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
                         "speedup": t[None] / t[policy],
                         "mean_acceptance_length": sd_stats.mean_acceptance_length, "rounds": sd_stats.rounds,
                         "chosen_k_hist": list(sd_stats.chosen_k_hist), "dflash_runs_s": runs_s[policy],
-                        "target_only_runs_s": runs_s[None]},
+                        "target_only_runs_s": runs_s[None], "dflash_runs_stalls": stalls["batched"][policy]},
             "single_speedup_median": statistics.median(speedups), "single_speedup_min": min(speedups),
             # The prompts one after another: all target-only time over all DFlash time (a ratio of sums moves
             # less with one prompt's noisy target-only run than the median and minimum of ratios do).

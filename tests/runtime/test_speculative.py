@@ -817,6 +817,33 @@ def test_adaptive_choices_can_be_traced(tiny_dflash_seq_artifact, tiny_cfg):
     assert any(len(step.get("rounds", ())) == len(engine.spec.rounds) == 2 for step in trace)  # blocks 8 and 4
 
 
+def test_a_stalled_plain_step_is_counted_and_traced(tiny_dflash_seq_artifact):
+    """The speculator's step accounting: a plain step timed at more than STALL_RATIO times a plain step's price
+    is left out of the host-work window, counted in the engine's statistics and marked in the trace."""
+    from mg.runtime.speculative import STALL_RATIO
+
+    engine = _engine(tiny_dflash_seq_artifact, RunConfig())
+    spec = engine.spec
+    spec.costs._host = type(spec.costs._host)()  # a window of its own (engines of one program share theirs)
+    spec.trace = []
+    forward_s = 1e-3
+
+    def plain_step(measured_s):
+        spec.trace.append({"n": 1, "chose": 0})
+        spec._prediction, spec._n = (0, 0), 1
+        spec.runner.call_log[:] = [("forward", 1, forward_s)]
+        spec.step_done(measured_s, rows=1)
+
+    for _ in range(5):
+        plain_step(1.1 * forward_s)
+    assert spec.stats.stalls == 0 and not any("stall" in step for step in spec.trace)
+    plain_step(3 * STALL_RATIO * forward_s)
+    assert spec.stats.stalls == 1 and spec.trace[-1]["stall"] is True and spec.trace[-1]["kind"] == PLAIN
+    assert spec.costs.residual(PLAIN) == pytest.approx(0.1 * forward_s, rel=0.05)
+    plain_step(1.2 * forward_s)
+    assert spec.stats.stalls == 1 and "stall" not in spec.trace[-1]
+
+
 def test_prompt_rows_come_before_draft_rows_in_a_step():
     """A step's rows go to decoding sequences' pending tokens, then to prompt chunks, then to drafts: drafts
     never keep an admitted prompt waiting."""
