@@ -817,6 +817,22 @@ def test_adaptive_choices_can_be_traced(tiny_dflash_seq_artifact, tiny_cfg):
     assert any(len(step.get("rounds", ())) == len(engine.spec.rounds) == 2 for step in trace)  # blocks 8 and 4
 
 
+def test_a_lasting_slowdown_of_plain_steps_is_learnt_once_the_window_ages():
+    """Plain steps that stay above STALL_RATIO times their price are stalls only while the window still holds
+    min_samples samples younger than plain_age timed steps: then the new time is learnt. A step at exactly the
+    ratio is a sample."""
+    costs = CostModel({1: 1.0}, {1: 0.5}, {1: 0.1}, padded=False, window=5, min_samples=3, plain_window=5,
+                      plain_age=10)
+    for _ in range(5):
+        costs.record(PLAIN, predicted=1.0, measured=1.2)  # clock 1-5
+    kept = [costs.record(PLAIN, predicted=1.0, measured=3.0) for _ in range(11)]  # clock 6-16
+    assert kept == [False] * 7 + [True] * 4  # from clock 13 two of the five samples are young: too few
+    assert costs._host.stalls == 7 and costs.residual(PLAIN) == pytest.approx(2.0)
+    for _ in range(3):
+        costs.record(PLAIN, predicted=1.0, measured=1.5, n=2)
+    assert costs.record(PLAIN, predicted=1.0, measured=3.0, n=2)  # 2 x (1.0 + 0.5): at the ratio, a sample
+
+
 def test_a_stalled_plain_step_is_counted_and_traced(tiny_dflash_seq_artifact):
     """The speculator's step accounting: a plain step timed at more than STALL_RATIO times a plain step's price
     is left out of the host-work window, counted in the engine's statistics and marked in the trace."""
