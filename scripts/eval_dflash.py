@@ -308,6 +308,11 @@ def main() -> int:
     for layout, r in results["layouts"].items():
         for policy, p in r["policies"].items():
             print(f"{layout} {policy}: P(row i accepted) = " + ", ".join(f"{x:.2f}" for x in p["row_acceptance"]))
+            single = sum(sum(q["dflash_runs_stalls"]) for q in p["per_prompt"])
+            batched = sum(p["batched"]["dflash_runs_stalls"])
+            if single or batched:  # said only when some were (speculative.STALL_RATIO)
+                print(f"{layout} {policy}: stalls (plain steps over twice their price, left out of the pricing) "
+                      f"in all runs: {single} single-prompt, {batched} batched")
     results["table"] = table
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0 if all(r["lossless_all"] for r in results["layouts"].values()) else 1
