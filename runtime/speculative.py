@@ -424,7 +424,7 @@ class CostModel:
     def record(self, kind: str, predicted: float, measured: float, n: int = 1) -> bool:
         """A whole step of `kind` and n decoding sequences took `measured` seconds where the tables predicted
         `predicted`. -> whether it became a sample. A plain step that took more than `STALL_RATIO` times what a
-        plain step is priced at now (its prediction plus the window's median, once the window holds
+        plain step is priced at now (its prediction plus the window's median if positive, once the window holds
         `min_samples`) is none: a stall (on an H100, 32 plain steps at 1.6-13x their predicted 0.22 ms between
         two prompts), during which rounds, not timed, would keep their price while plain steps looked slow,
         so rounds the drafter does not serve would run until the stall's samples left the window. Measured
@@ -437,7 +437,9 @@ class CostModel:
         window = self._host.windows.get((kind, bucket))
         if kind == PLAIN and window is not None:
             count, median = window.median(self._host.clock[bucket] - self.plain_age)
-            if count >= self.min_samples and measured > STALL_RATIO * (predicted + median) > 0:
+            # Never below the prediction: a window of steps whose prediction holds calls their measurement leaves
+            # out (context appends) has a negative median, which would make normal steps look slow.
+            if count >= self.min_samples and measured > STALL_RATIO * (predicted + max(median, 0.0)) > 0:
                 self._host.stalls += 1
                 return False
         if window is None:

@@ -831,6 +831,11 @@ def test_a_lasting_slowdown_of_plain_steps_is_learnt_once_the_window_ages():
     for _ in range(3):
         costs.record(PLAIN, predicted=1.0, measured=1.5, n=2)
     assert costs.record(PLAIN, predicted=1.0, measured=3.0, n=2)  # 2 x (1.0 + 0.5): at the ratio, a sample
+    for _ in range(3):  # steps measured below their prediction (calls predicted that the measurement leaves out)
+        costs.record(PLAIN, predicted=1.0, measured=0.5, n=4)
+    assert costs.residual(PLAIN, 4) == pytest.approx(-0.5)
+    assert costs.record(PLAIN, predicted=1.0, measured=1.2, n=4)  # a normal step: priced at least as predicted
+    assert not costs.record(PLAIN, predicted=1.0, measured=2.1, n=4)
 
 
 def test_a_stalled_plain_step_is_counted_and_traced(tiny_dflash_seq_artifact):
