@@ -440,7 +440,6 @@ class CostModel:
             # Never below the prediction: a window of steps whose prediction holds calls their measurement leaves
             # out (context appends) has a negative median, which would make normal steps look slow.
             if count >= self.min_samples and measured > STALL_RATIO * (predicted + max(median, 0.0)) > 0:
-                self._host.stalls += 1
                 return False
         if window is None:
             window = self._host.windows[(kind, bucket)] = _Window(self.plain_window if kind == PLAIN else self.window)
@@ -455,7 +454,6 @@ class HostWork:
     def __init__(self):
         self.windows: dict[tuple, _Window] = {}
         self.clock: collections.Counter = collections.Counter()
-        self.stalls = 0  # plain steps left out as stalls (`CostModel.record`)
 
 
 class _Window:
@@ -862,13 +860,12 @@ class Speculator:
                 predicted = c.forward(rows) + (c.draft(drafting) + c.append(waiting) if drafting else 0.0)
                 if self._flushed:
                     predicted += c.append(self._flushed)
-            sample = c.record(kind, predicted, measured_s, self._n)
+            stall = not c.record(kind, predicted, measured_s, self._n)
+            self.stats.stalls += stall
             if self.trace is not None and self.trace and "measured" not in self.trace[-1]:
                 self.trace[-1].update(kind=kind, predicted=predicted, measured=measured_s)
-                if not sample:
+                if stall:
                     self.trace[-1]["stall"] = True
-            if not sample:
-                self.stats.stalls += 1
         if self._probed:
             if timed:
                 self._judge_probes(measured_s)

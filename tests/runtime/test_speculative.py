@@ -558,12 +558,11 @@ def test_a_stall_of_plain_steps_prices_nothing():
     is followed; a fresh window takes its first samples whatever they are (a plain step's host work may be as
     long as its forward); slow rounds are kept."""
     costs = CostModel({1: 1.0}, {1: 0.5}, {1: 0.1}, padded=False, window=5, min_samples=3, plain_window=5)
-    for _ in range(5):
-        costs.record(PLAIN, predicted=1.0, measured=1.2)
+    assert all(costs.record(PLAIN, predicted=1.0, measured=1.2) for _ in range(5))
     assert costs.residual(PLAIN) == pytest.approx(0.2)
     kept = [costs.record(PLAIN, predicted=1.0, measured=m) for m in (13.0, 5.0, 3.0, 2.5, 2.1, 2.05)]
-    assert kept == [False, False, False, False, True, True]  # above 2 x 1.2 s: a stall
-    assert costs.residual(PLAIN) == pytest.approx(0.2) and costs._host.stalls == 4 and costs._host.clock[1] == 11
+    assert kept == [False, False, False, False, True, True]  # above 2 x 1.2 s: a stall; 4 of the 11 steps
+    assert costs.residual(PLAIN) == pytest.approx(0.2) and costs._host.clock[1] == 11
     for _ in range(3):  # plain steps that stay slower (under the ratio): followed
         assert costs.record(PLAIN, predicted=1.0, measured=2.0)
     assert costs.residual(PLAIN) == pytest.approx(1.0)
@@ -571,7 +570,7 @@ def test_a_stall_of_plain_steps_prices_nothing():
     assert costs.residual(PLAIN, 3) == pytest.approx(1.3)
     for _ in range(3):
         assert costs.record(FUSED, predicted=1.0, measured=5.0)  # a slow round is kept
-    assert costs.residual(FUSED) == pytest.approx(4.0) and costs._host.stalls == 4
+    assert costs.residual(FUSED) == pytest.approx(4.0)
 
 
 def test_plain_steps_priced_by_old_samples_are_measured_again():
@@ -823,11 +822,10 @@ def test_a_lasting_slowdown_of_plain_steps_is_learnt_once_the_window_ages():
     ratio is a sample."""
     costs = CostModel({1: 1.0}, {1: 0.5}, {1: 0.1}, padded=False, window=5, min_samples=3, plain_window=5,
                       plain_age=10)
-    for _ in range(5):
-        costs.record(PLAIN, predicted=1.0, measured=1.2)  # clock 1-5
+    assert all(costs.record(PLAIN, predicted=1.0, measured=1.2) for _ in range(5))  # clock 1-5
     kept = [costs.record(PLAIN, predicted=1.0, measured=3.0) for _ in range(11)]  # clock 6-16
     assert kept == [False] * 7 + [True] * 4  # from clock 13 two of the five samples are young: too few
-    assert costs._host.stalls == 7 and costs.residual(PLAIN) == pytest.approx(2.0)
+    assert costs.residual(PLAIN) == pytest.approx(2.0)
     for _ in range(3):
         costs.record(PLAIN, predicted=1.0, measured=1.5, n=2)
     assert costs.record(PLAIN, predicted=1.0, measured=3.0, n=2)  # 2 x (1.0 + 0.5): at the ratio, a sample
