@@ -11,9 +11,9 @@ shape only, so each row's bits are the same whatever rows share the call. Float3
 setting at the call.
 
 `rows_mm` (`RunConfig.rows_kernel`): on CUDA, for float32 operands, a weight's transpose and 1 to `FEW_ROWS`
-rows, `triton_rows.linear_rows_triton`: multiply-adds in IEEE float32 (whatever torch's TF32 setting), which at
-the embedded default's weight shapes was faster than `torch.mm` on cuBLAS at 1 and at 16 rows on most shapes (an
-H100 sweep without cuBLASLt, BENCHMARKS.md); longer calls and other dtypes go to `torch.mm`.
+rows, `triton_rows.linear_rows_triton`: multiply-adds in IEEE float32 (whatever torch's TF32 setting); longer
+calls and other dtypes go to `torch.mm`. On an H100 it beat cuBLASLt per product with the weights in L2 but made
+the embedded default's 1-row decode step 23% longer in place (BENCHMARKS.md), hence opt-in.
 
 The runtime serves `aten::mm` with one of them through its op table (compiled methods trace the op as an opaque
 call). Knows nothing about models or the runtime.

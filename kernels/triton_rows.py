@@ -5,8 +5,9 @@ What it is for: a decode step, a DFlash verify or draft block, or a small batch 
 each weight. At the embedded default's sizes every such product is bound by latency, not arithmetic; in an H100
 sweep (BENCHMARKS.md, `docs/bench_rows_kernel_h100_sweep.json`) `torch.mm` on cuBLAS took 1.5-3.6x its 1-row
 time for 16 float32 rows of the target's weights, and this kernel, which reads each weight tile once for a tile
-of up to `BLOCK_M` rows, was faster than that at 1 and at 16 rows on most of those shapes (cuBLASLt, which the
-runtime prefers on CUDA, was not in that sweep).
+of up to `BLOCK_M` rows, was faster than that at 1 and at 16 rows on most of those shapes. Against cuBLASLt (the
+runtime's choice on CUDA) it was faster per product with the weights in L2 (`scripts/bench_rows.py`), but in the
+model, weights read from memory, a 1-row forward took 23% more kernel time (BENCHMARKS.md).
 
 The launch's tiles (`plan_rows`) come from the weight's shape and the device's SM count; the row tile (1-16
 rows, by the call) changes how many rows a program holds, not the order of a row's sums, which K's tiling

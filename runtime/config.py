@@ -61,10 +61,10 @@ class RunConfig:
     float32 with a launch set by the weight's shape. On an H100, with the weights in L2, it was faster than
     cuBLASLt per product (a forward's products 0.96x at 1 row, 0.86x at 16), but in the model a 1-row forward
     took 23% more kernel time and single prompts ran ~20% slower (rounds 2-4% shorter, batches of 8 6% faster),
-    hence off by default. Longer calls and
-    other dtypes stay on torch's `mm`, so a row's bits in a call of more than 16 rows (a verify of two or more
-    sequences) differ from its 1-row step's: greedy DFlash equals target-only only up to rounding there. The
-    drafter's products it serves run in IEEE float32 rather than TF32. Changes nothing on CPU."""
+    hence off by default. Longer calls and other dtypes stay on torch's `mm`, so a row's bits in a call of more
+    than 16 rows (a verify of two or more sequences) differ from its 1-row step's: greedy DFlash equals
+    target-only only up to rounding there. The drafter's products it serves run in IEEE float32 rather than
+    TF32. Changes nothing on CPU."""
 
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None
