@@ -99,11 +99,18 @@ class _Variant:
 class CompiledMethod:
     """A method's compiled variants; `__call__(inputs, table)` runs the one for the inputs' leading size."""
 
-    def __init__(self, one: _Variant, many: Optional[_Variant]):
+    def __init__(self, one: Optional[_Variant], many: Optional[_Variant]):
+        if one is None and many is None:
+            raise ValueError("a compiled method needs at least one variant")
         self._one, self._many = one, many
 
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants compiled: "1" (one row, static) and/or "n" (any leading size, symbolic)."""
+        return tuple(name for name, v in (("1", self._one), ("n", self._many)) if v is not None)
+
     def __call__(self, inputs: list, table: Mapping[str, Callable]) -> list:
-        v = self._one if inputs[0].shape[0] == 1 else self._many
+        v = self._one if inputs[0].shape[0] == 1 and self._one is not None else self._many
         with mg_ops.serving(table):
             return list(v.fn(*v.consts, *inputs))
 
@@ -128,13 +135,17 @@ class MethodCompiler:
                      "torch": torch.__version__, "triton": _triton_version(), "sources": _sources_hash()}
 
     def compile(self, method: str, blank: Callable[[int], list], limit: int,
-                table: Mapping[str, Callable]) -> Optional[CompiledMethod]:
+                table: Mapping[str, Callable], one_row: bool = True) -> Optional[CompiledMethod]:
         """The compiled method, or None (said in one line) when it cannot be compiled. `blank(size)` gives
         padding inputs of `size` rows (as the runner pads); `limit` is the largest leading size; `table`
-        names the custom ops (their callables are not called while compiling)."""
+        names the custom ops (their callables are not called while compiling). `one_row=False`: no static
+        one-row variant where the symbolic one exists (limit >= 2); every call runs the same code, so a row
+        is reduced by the same kernels, launched alike, whatever the call's size (row-invariant serving:
+        docs/ARCHITECTURE.md section 6.4)."""
         try:
-            one = self._variant(method, "1", blank(1), table)
-            many = None
+            one = many = None
+            if one_row or limit < 2:
+                one = self._variant(method, "1", blank(1), table)
             if limit >= 2:
                 many = self._variant(method, "n", blank(self._example_size(blank, limit)), table)
         except Exception as e:  # tracing or Inductor failed: the interpreter still runs the method

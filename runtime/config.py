@@ -54,7 +54,8 @@ class RunConfig:
     tests compare it), False never. row_invariant: on CUDA, the methods' float matrix products (the program's
     `aten::mm`) run as `mg::row_mm` (`mg.kernels.linear`): a Triton linear whose launch depends on the weight's
     shape only, so a row's products are the same bits in a 1-row step, a 16-row DFlash verify or a batch (with
-    cuBLAS they are not: greedy DFlash of a bfloat16 artifact equals target-only only up to rounding). Off:
+    cuBLAS they are not: greedy DFlash of a bfloat16 artifact equals target-only only up to rounding); compiled
+    methods then keep only their symbolic variant, so 1-row calls run the same fused code as longer ones. Off:
     torch's `mm`. Changes nothing on CPU. rows_kernel: on CUDA (and without row_invariant, which takes
     precedence), the methods' float32 matrix products of 1-16 rows (decode steps of up to 16 sequences, DFlash
     verifies and draft blocks) run as `mg::rows_mm` (`mg.kernels.linear`): multiply-adds on CUDA cores in IEEE

@@ -208,7 +208,8 @@ class ModelRunner:
         self._compiled: dict[str, CompiledMethod] = {}
         self.compile_stats: Optional[CompileStats] = None
         if config.compiled:
-            self._compiled, self.compile_stats = _compiled_methods(artifact, self.device, self._plans, self.ops)
+            self._compiled, self.compile_stats = _compiled_methods(artifact, self.device, self._plans, self.ops,
+                                                                   one_row=not config.row_invariant_mm)
         self._sink: Optional[HiddenSink] = None
         self._placing = self.cache.placement_input  # forward steps write the admission's placement themselves
         self._graphs: dict[str, GraphRunner] = {}
@@ -518,11 +519,13 @@ class ModelRunner:
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, table: dict):
+def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, table: dict, one_row: bool = True):
     """The compiled methods of `plans` (compiling those not compiled yet for this program and device; a method
-    that failed to compile stays interpreted) and the compile stats of this program and device."""
+    that failed to compile stays interpreted) and the compile stats of this program and device. `one_row=False`
+    (row-invariant products): only the symbolic variant, for calls of every size (`MethodCompiler.compile`)."""
     per_device = _COMPILED.setdefault(artifact.program, {})
-    key = f"{device} {table.get(MM, MM)}"  # the code traced depends on what serves the matrix products
+    # The code traced depends on what serves the matrix products; the variants kept, on one_row.
+    key = f"{device} {table.get(MM, MM)} {'1+n' if one_row else 'n'}"
     if key not in per_device:
         sha = next((f.sha256 for f in artifact.manifest.files if f.name == C.PROGRAM_FILE), None)
         per_device[key] = (MethodCompiler(artifact.program, sha or "unhashed", device), {})
@@ -530,7 +533,7 @@ def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, tab
     before = len(compiler.stats.events)
     for name, plan in plans.items():
         if name not in methods:
-            methods[name] = compiler.compile(name, plan.blank, plan.limit, table)
+            methods[name] = compiler.compile(name, plan.blank, plan.limit, table, one_row=one_row)
     new = [e for e in compiler.stats.events[before:] if e[2] == "compiled"]
     if new:
         log.info(f"mg-run: compiled {len(new)} method variants in {sum(e[3] for e in new):.1f}s")

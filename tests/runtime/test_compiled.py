@@ -86,6 +86,30 @@ def test_every_method_compiles_and_matches_the_interpreter(compiled_runner):
 
 @needs_cxx
 @pytest.mark.slow
+def test_without_the_one_row_variant_every_size_runs_the_symbolic_one(compiled_runner, tmp_path):
+    # Row-invariant serving compiles no static one-row variant (a row then meets the same kernels, launched
+    # alike, in a 1-row step and in a verify): the symbolic variant takes 1-row calls too, and equals the
+    # interpreter there.
+    runner = compiled_runner[1]
+    compiler = MethodCompiler(runner.program, "e" * 64, runner.device, cache_dir=tmp_path)
+    plan = runner._plans[C.METHOD_FORWARD]
+    method = compiler.compile(C.METHOD_FORWARD, plan.blank, plan.limit, runner.ops, one_row=False)
+    assert method is not None and method.variants == ("n",)
+    assert [(v, what) for _, v, what, _ in compiler.stats.events] == [("n", "compiled")]
+    for size in (1, 2, 5):
+        inputs = _filled(runner, C.METHOD_FORWARD, size)
+        got = method(list(inputs), runner.ops)
+        want = runner.program.run(C.METHOD_FORWARD, list(inputs), ops=runner.ops)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape, size
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"forward at {size} rows")
+    both = MethodCompiler(runner.program, "e" * 64, runner.device, cache_dir=tmp_path).compile(
+        C.METHOD_FORWARD, plan.blank, plan.limit, runner.ops)
+    assert both.variants == ("1", "n")
+
+
+@needs_cxx
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", DFLASH)
 def test_greedy_dflash_compiled_equals_interpreted(fixture, request):
     art_dir = request.getfixturevalue(fixture)

@@ -106,6 +106,8 @@ def test_a_rows_logits_are_the_same_bits_alone_and_in_a_verify(dflash_artifact, 
     art = load_artifact(dflash_artifact, device="cuda")
     runner = ModelRunner(art, RunConfig(device="cuda", compile=compile_, row_invariant=True), with_draft=False)
     assert runner.ops.get(MM) is linear.op()
+    if compile_:  # one symbolic variant for every size: no one-row code of its own (docs/ARCHITECTURE.md 6.4)
+        assert {v for _, v, what, _ in runner.compile_stats.events if what != "failed"} == {"n"}
     context = [5 + (7 * i) % 200 for i in range(20)]
     runner.call(C.METHOD_FORWARD, _forward_inputs(context, list(range(20)), [0] * 20), [20, 20])
     runner.call(C.METHOD_FORWARD, _forward_inputs(context[:4], list(range(4)), [1] * 4), [4, 4])
