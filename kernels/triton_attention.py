@@ -70,6 +70,8 @@ LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256   # split-K never cuts the static span below this many keys per split
 MAX_SPLITS = 64
 TARGET_WAVES = 4           # split-K aims at this many programs per SM (decode is latency- and memory-bound)
+MIN_DRAFT_KEYS_PER_SPLIT = 128  # the drafter's block attention: keys of the static span per split, at least
+DRAFT_TARGET_WAVES = 1     # its programs per SM (each carries a block's T rows x its group: a 64-row tile)
 PREFILL_ROWS = 64          # tile rows (queries x group heads) of a prefill program
 _INTERPRETER_SMS = 132     # H200's count, so the interpreter exercises the same split policy
 
@@ -202,13 +204,19 @@ def _launch_attention(q, k, v, positions, seq_slots, table, rows: int, span: int
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:
-        block_s = _next_pow2(plan.num_splits)
-        _jit._combine_splits_kernel[(n, hq)](
-            part_o, part_lse, out, hq, out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=plan.block_d, NUM_SPLITS=plan.num_splits,
-            BLOCK_S=block_s, num_warps=4 if block_s * plan.block_d <= 4096 else 8,
-        )
+        _combine(part_o, part_lse, out, plan.num_splits, plan.block_d)
     return out
+
+
+def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int, block_d: int) -> None:
+    """Merge split-K partials (`_store_rows`' layout) into out [N, Hq, D]: one program per (row, query head)."""
+    n, hq, d = out.shape
+    block_s = _next_pow2(num_splits)
+    _jit._combine_splits_kernel[(n, hq)](
+        part_o, part_lse, out, hq, out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_S=block_s, num_warps=4 if block_s * block_d <= 4096 else 8,
+    )
 
 
 def attend_columns_triton(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, positions: torch.Tensor,
@@ -281,42 +289,62 @@ def _check_draft_side(q, k_blk, v_blk, positions, seq_slots, kv, kv_name: str) -
         _require(x.device == q.device, f"every input must be on {q.device}; one is on {x.device}")
 
 
+def plan_draft_splits(batch: int, n_kv_heads: int, span: int, sms: int) -> int:
+    """Split count of the drafter's block attention, from shapes only: `DRAFT_TARGET_WAVES` programs per SM
+    over (block, KV head, split), at least `MIN_DRAFT_KEYS_PER_SPLIT` keys of the static span per split, at most
+    `MAX_SPLITS`. On the device each split gets whole tiles of the actual context, so a short context
+    leaves the trailing splits empty (they exit after one check) rather than tiny."""
+    by_span = max(1, _cdiv(span, MIN_DRAFT_KEYS_PER_SPLIT))
+    return max(1, min(_cdiv(DRAFT_TARGET_WAVES * sms, max(1, batch * n_kv_heads)), by_span, MAX_SPLITS))
+
+
 def _launch_draft(q, k_blk, v_blk, k, v, positions, seq_slots, table, rows: int, span: int, scale: float,
                   k_strides: tuple[int, int, int], v_strides: tuple[int, int, int], table_strides: tuple[int, int],
-                  is_cell: bool) -> torch.Tensor:
+                  is_cell: bool, num_splits: int | None) -> torch.Tensor:
     b, t, hq, d = q.shape
     hkv = k_blk.shape[2]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if b == 0 or t == 0:
         return out
+    if num_splits is None:
+        num_splits = plan_draft_splits(b, hkv, span, device_sms(q.device))
+    _require(isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS,
+             f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     group = hq // hkv
     block_t = max(16, _next_pow2(t))
     block_d = max(16, _next_pow2(d))
+    if num_splits > 1:
+        part_o = torch.empty((b * t, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b * t, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     upcast = _INTERPRETING and q.dtype != torch.float32
     wide = q.dtype == torch.float32 or block_t * _next_pow2(group) > 64
-    _jit._draft_attend_kernel[(b, hkv)](
-        q, k_blk, v_blk, k, v, out, positions, seq_slots, table, span, rows, scale * LOG2E,
+    _jit._draft_attend_kernel[(b, hkv, num_splits)](
+        q, k_blk, v_blk, k, v, out, part_o, part_lse, positions, seq_slots, table, hq, span, rows, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_blk.stride(0), k_blk.stride(1), k_blk.stride(2),
-        v_blk.stride(0), v_blk.stride(1), v_blk.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        v_blk.stride(0), v_blk.stride(1), v_blk.stride(2), out.stride(1), out.stride(2),
         positions.stride(0), *k_strides, *v_strides, *table_strides,
         T=t, BLOCK_T=block_t, GROUP=group, GP=_next_pow2(group),
         BLOCK_N=32 if q.dtype == torch.float32 or block_d > 128 else 64, HEAD_DIM=d, BLOCK_D=block_d,
-        IS_CELL=is_cell, DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
-        num_warps=8 if wide else 4, num_stages=2,
+        NUM_SPLITS=num_splits, IS_CELL=is_cell, DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        UPCAST_DOT=upcast, num_warps=8 if wide else 4, num_stages=2,
     )
+    if num_splits > 1:
+        _combine(part_o, part_lse, out.view(b * t, hq, d), num_splits, block_d)
     return out
 
 
 def draft_attend_columns_triton(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_store: torch.Tensor,
                                 v_store: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor, window: int,
-                                scale: float) -> torch.Tensor:
+                                scale: float, *, num_splits: int | None = None) -> torch.Tensor:
     """The drafter's block attention (`mg::draft_attend`) over kBatchedSequence storage, in one kernel: what
     `draft_attend_ref` computes over the context `draft_context_span` selects, gathered from the columns.
 
     q [B, T, Hq, D]; k_blk/v_blk [B, T, Hkv, D] (the block's own keys, all visible to every row);
     k_store/v_store [slots, rows, Hkv, D]; positions [B, T] int64 (column 0, the anchor, is read: the
     context is positions [anchor - span, anchor), span = min(window, rows), or rows for window 0);
-    seq_slots [B] int64 -> [B, T, Hq, D] in q's dtype.
+    seq_slots [B] int64 -> [B, T, Hq, D] in q's dtype. `num_splits` overrides `plan_draft_splits` (tuning).
     """
     _check_draft_side(q, k_blk, v_blk, positions, seq_slots, k_store, "k_store")
     _require(k_store.dim() == 4 and k_store.shape == v_store.shape and v_store.stride(-1) == 1
@@ -325,12 +353,14 @@ def draft_attend_columns_triton(q: torch.Tensor, k_blk: torch.Tensor, v_blk: tor
              f"{tuple(v_store.shape)}")
     rows = k_store.shape[1]
     return _launch_draft(q, k_blk, v_blk, k_store, v_store, positions, seq_slots, seq_slots, rows,
-                         _span(window, rows), scale, k_store.stride()[:3], v_store.stride()[:3], (0, 0), False)
+                         _span(window, rows), scale, k_store.stride()[:3], v_store.stride()[:3], (0, 0), False,
+                         num_splits)
 
 
 def draft_attend_cells_triton(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_pool: torch.Tensor,
                               v_pool: torch.Tensor, cell_table: torch.Tensor, positions: torch.Tensor,
-                              seq_slots: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+                              seq_slots: torch.Tensor, window: int, scale: float, *,
+                              num_splits: int | None = None) -> torch.Tensor:
     """`draft_attend_columns_triton` over kBatchedCell storage: k_pool/v_pool [cells, Hkv, D], cell_table
     [slots, capacity] int64; the context span is min(window, capacity), or capacity for window 0."""
     _check_draft_side(q, k_blk, v_blk, positions, seq_slots, k_pool, "k_pool")
@@ -344,7 +374,8 @@ def draft_attend_cells_triton(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch
     capacity = cell_table.shape[1]
     return _launch_draft(q, k_blk, v_blk, k_pool, v_pool, positions, seq_slots, cell_table, capacity,
                          _span(window, capacity), scale, (0, k_pool.stride(0), k_pool.stride(1)),
-                         (0, v_pool.stride(0), v_pool.stride(1)), (cell_table.stride(0), cell_table.stride(1)), True)
+                         (0, v_pool.stride(0), v_pool.stride(1)), (cell_table.stride(0), cell_table.stride(1)), True,
+                         num_splits)
 
 
 def write_columns_ref(k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,

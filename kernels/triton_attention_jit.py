@@ -26,7 +26,9 @@ an address) and both phases (`BLOCK_Q` = 1 for decode, > 1 for prefill chunks):
   multi-buffers them (checked by compiling for sm_90: same shared memory as columns).
 - The drafter's block attention (`_draft_attend_kernel`) reuses the key loop: a block's T rows
   read its sequence's context before the anchor as one decode query at anchor - 1 would,
-  then the block's own T keys as one more tile (non-causal).
+  then the block's own T keys as one more tile (non-causal). It splits the context the same
+  way (whole tiles per split, sized on the device; the last split adds the block's keys) and
+  merges the splits with the same combine kernel, the block's rows as its queries.
 - Online softmax in fp32, exp2 domain; P is cast to the K/V dtype for the PV product
   (fp32 inputs use IEEE dots, never TF32). `UPCAST_DOT` is for the Triton interpreter
   only, whose `tl.dot` multiplies bf16 bit patterns as integers (triton 3.6): it feeds
@@ -101,22 +103,26 @@ def _attend_kernel(
 
 @triton.jit(do_not_specialize=["span", "rows"])
 def _draft_attend_kernel(
-    q_ptr, kb_ptr, vb_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, slot_ptr, table_ptr,
-    span, rows, scale_log2,
+    q_ptr, kb_ptr, vb_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, pos_ptr, slot_ptr, table_ptr,
+    n_q_heads, span, rows, scale_log2,
     stride_qb, stride_qt, stride_qh, stride_kbb, stride_kbt, stride_kbh, stride_vbb, stride_vbt, stride_vbh,
-    stride_ob, stride_ot, stride_oh, stride_pb,
+    stride_ot, stride_oh, stride_pb,
     stride_ks, stride_kr, stride_kh, stride_vs, stride_vr, stride_vh, stride_ts, stride_tc,
     T: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CELL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_CELL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """The drafter's block attention (`mg::draft_attend`). Grid (B, Hkv): a program owns one block's T query
-    rows x the GROUP query heads of one KV head. Every row reads the same keys: its sequence's cached context
-    [anchor - span, anchor) (`_attend_keys`, as a decode query at position anchor - 1 would), then the
-    block's own T keys as one more tile, non-causally."""
+    """The drafter's block attention (`mg::draft_attend`). Grid (B, Hkv, NUM_SPLITS): a program owns one
+    block's T query rows x the GROUP query heads of one KV head x one split. Every row reads the same keys:
+    its sequence's cached context [anchor - span, anchor) (`_attend_keys`, as a decode query at position
+    anchor - 1 would), cut into NUM_SPLITS chunks of whole tiles sized on the device from the actual
+    context, then (last split) the block's own T keys as one more tile, non-causally. The output must be
+    contiguous [B, T, Hq, D]: row b * T + t of [B * T, Hq, D] (`stride_ot`), as `_store_rows` and the
+    combine kernel address it."""
     BLOCK_M: tl.constexpr = BLOCK_T * GP
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -133,34 +139,39 @@ def _draft_attend_kernel(
     slot = tl.load(slot_ptr + b)
     row_pos = tl.zeros([BLOCK_M], tl.int32) + (hi - 1)
     row_lo = tl.zeros([BLOCK_M], tl.int32) + lo
+    per_split = ((hi - lo + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    k_start = lo + split * per_split
+    k_end = tl.minimum(hi, k_start + per_split)
     acc, m_i, l_i = _attend_keys(
-        q, k_ptr, v_ptr, table_ptr, slot, kv_head, live, row_lo, row_pos, lo, hi, rows, scale_log2,
+        q, k_ptr, v_ptr, table_ptr, slot, kv_head, live, row_lo, row_pos, k_start, k_end, rows, scale_log2,
         stride_ks, stride_kr, stride_kh, stride_vs, stride_vr, stride_vh, stride_ts, stride_tc,
         BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, IS_CELL, DOT_PRECISION, UPCAST_DOT)
-    offs_t = tl.arange(0, BLOCK_T)
-    t_ok = offs_t < T
-    kv_mask = t_ok[:, None] & d_ok[None, :]
-    kb = tl.load(kb_ptr + b * stride_kbb + offs_t[:, None] * stride_kbt + kv_head * stride_kbh + offs_d[None, :],
-                 mask=kv_mask, other=0.0)
-    vb = tl.load(vb_ptr + b * stride_vbb + offs_t[:, None] * stride_vbt + kv_head * stride_vbh + offs_d[None, :],
-                 mask=kv_mask, other=0.0)
-    if UPCAST_DOT:
-        kb = kb.to(tl.float32)
-    s = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(live[:, None] & t_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    p_mma = p.to(vb.dtype)
-    if UPCAST_DOT:
-        p_mma = p_mma.to(tl.float32)
-        vb = vb.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p_mma, vb, input_precision=DOT_PRECISION)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + b * stride_ob + t[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+    if split == NUM_SPLITS - 1:  # the block's own keys, visible to every row
+        offs_t = tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        kb = tl.load(kb_ptr + b * stride_kbb + offs_t[:, None] * stride_kbt + kv_head * stride_kbh
+                     + offs_d[None, :], mask=kv_mask, other=0.0)
+        vb = tl.load(vb_ptr + b * stride_vbb + offs_t[:, None] * stride_vbt + kv_head * stride_vbh
+                     + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST_DOT:
+            kb = kb.to(tl.float32)
+        s = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(live[:, None] & t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_mma = p.to(vb.dtype)
+        if UPCAST_DOT:
+            p_mma = p_mma.to(tl.float32)
+            vb = vb.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_mma, vb, input_precision=DOT_PRECISION)
+        m_i = m_new
+    q_row = b * T + t
+    _store_rows(acc, m_i, l_i, live, q_row, q_head, split, out_ptr, part_o_ptr, part_lse_ptr, n_q_heads,
+                stride_ot, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS)
 
 
 @triton.jit

@@ -82,13 +82,18 @@ def _reference(q, k_blk, v_blk, k_store, v_store, positions, seq_slots, window, 
                             valid, 0.3)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 3], ids=lambda n: f"splits-{n or 'planned'}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
-def test_draft_attend_triton_matches_the_reference_in_both_layouts(case, dtype):
+def test_draft_attend_triton_matches_the_reference_in_both_layouts(case, dtype, num_splits):
+    """Planned splits, one program per (block, KV head), and 3 splits (a block with no context leaves every split
+    but the last, which adds the block's keys, empty; short contexts leave trailing splits empty)."""
     (q, k_blk, v_blk, k_store, v_store, k_pool, v_pool, table, positions, slots), rows = _inputs(case, dtype)
     want = _reference(q, k_blk, v_blk, k_store, v_store, positions, slots, case.window, rows).float()
-    columns = ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots, case.window, 0.3)
-    cells = ta.draft_attend_cells_triton(q, k_blk, v_blk, k_pool, v_pool, table, positions, slots, case.window, 0.3)
+    columns = ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots, case.window, 0.3,
+                                             num_splits=num_splits)
+    cells = ta.draft_attend_cells_triton(q, k_blk, v_blk, k_pool, v_pool, table, positions, slots, case.window, 0.3,
+                                         num_splits=num_splits)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     assert columns.shape == cells.shape == q.shape and columns.dtype == cells.dtype == dtype
     torch.testing.assert_close(columns.float(), want, atol=tol, rtol=tol)
@@ -120,6 +125,17 @@ def test_draft_attend_triton_refuses_mismatched_inputs_with_one_clear_line():
         ta.draft_attend_columns_triton(q, k_blk.bfloat16(), v_blk, k_store, v_store, positions, slots, 0, 0.3)
     with pytest.raises(ValueError, match=r"seq_slots must be a contiguous \[B\]"):
         ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots.int(), 0, 0.3)
+    with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 64\], got 0"):
+        ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots, 0, 0.3, num_splits=0)
+
+
+def test_plan_draft_splits_fills_the_device_without_cutting_the_span_below_the_minimum():
+    sms = 132
+    assert ta.plan_draft_splits(1, 2, 1024, sms) == 1024 // ta.MIN_DRAFT_KEYS_PER_SPLIT  # the span limits it
+    assert ta.plan_draft_splits(1, 2, 64, sms) == 1                                     # a short span: one split
+    assert ta.plan_draft_splits(8, 4, 1 << 20, sms) == -(-ta.DRAFT_TARGET_WAVES * sms // 32)  # the device does
+    assert ta.plan_draft_splits(1, 1, 1 << 30, sms) == ta.MAX_SPLITS
+    assert ta.plan_draft_splits(256, 8, 1 << 20, sms) == 1                              # already many programs
 
 
 @pytest.mark.parametrize("layout", ["sequence", "cell"])
