@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one go: CUDA tests (kernels, caches, sampling, CUDA graphs, engines), the
-# attention, quantized-linear, few-rows float32 linear and decode benchmarks, the DFlash evaluation of the embedded default on CUDA, the engine's per-step
+# attention benchmarks (the target's decode attention, the drafter's block attention by split count), the
+# quantized-linear, few-rows float32 linear and decode benchmarks, the DFlash evaluation of the embedded default
+# on CUDA, the engine's per-step
 # profile (time, graph captures, host synchronisations), the host work of a plain step per engine (overlapped and not), a DFlash round's
 # calls kernel by kernel (drafter attention as the Triton kernel and as the torch reference; matrix products by
 # the few-rows kernel, row-invariant, and by cuBLAS), the real-width
@@ -8,8 +10,8 @@
 # JSON, Markdown tables) go to ${OUT:-gpu-results}. Works from a source checkout without installing: the mg.*
 # namespace is mapped with links.
 #
-#   scripts/gpu_checks.sh                      # everything: tests attention quant rows decode eval profile host
-#                                              # round real real-quant serve
+#   scripts/gpu_checks.sh                      # everything: tests attention draft-attention quant rows decode
+#                                              # eval profile host round real real-quant serve
 #   scripts/gpu_checks.sh tests eval           # only those steps, in that order
 #
 # `real` exports the first 16 layers of MG-30B at full width (~21 GB of weights, written under
@@ -29,12 +31,14 @@ for pkg in export runtime kernels manifests; do ln -s "$ROOT/$pkg" "$NS/mg/$pkg"
 export PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention quant rows decode eval profile host round real real-quant serve)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention draft-attention quant rows decode eval profile host round real real-quant serve)
 status=0
 for step in "${steps[@]}"; do
     case "$step" in
         tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/runtime tests/export/test_quantize.py 2>&1 | tee "$OUT/cuda_tests.log" ;;
         attention) python3 scripts/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" ;;
+        draft-attention) python3 scripts/bench_draft_attention.py --out "$OUT/bench_draft_attention.json" 2>&1 \
+                  | tee "$OUT/bench_draft_attention.md" ;;
         quant) python3 scripts/bench_quant.py --head --out "$OUT/bench_quant.json" 2>&1 | tee "$OUT/bench_quant.md" ;;
         rows) python3 scripts/bench_rows.py --out "$OUT/bench_rows.json" 2>&1 | tee "$OUT/bench_rows.md" ;;
         decode) python3 scripts/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.md" ;;
@@ -71,7 +75,7 @@ for step in "${steps[@]}"; do
               done ;;
         serve) python3 scripts/bench_serve.py --device cuda --out "$OUT/bench_serve_cuda.json" 2>&1 \
                   | tee "$OUT/bench_serve_cuda.md" ;;
-        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention quant rows decode eval profile host round real real-quant serve" >&2; exit 2 ;;
+        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention draft-attention quant rows decode eval profile host round real real-quant serve" >&2; exit 2 ;;
     esac
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
