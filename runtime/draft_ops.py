@@ -5,7 +5,8 @@ context rows; `mg::draft_attend(q, k, v, positions, seq_slots, layer_id,
 scale)` attends a block [B, T] non-causally over its sequence's cached context
 (positions before the anchor, positions[:, 0]) plus the block's own K/V: with
 the cache's Triton kernels (`KVCache.attend_block`) when it uses them, else
-the torch reference over the gathered context.
+the torch reference over the gathered context (on the CPU, no more context rows
+than the batch's furthest anchor has; elsewhere the cache's static span).
 Knows the cache protocol and the reference kernels; nothing about models.
 """
 
@@ -36,6 +37,9 @@ class DraftOps:
             return self.cache.attend_block(q, k, v, positions, seq_slots.contiguous(), layer_id, window, scale)
         span = self.cache.max_span(layer_id)
         span = min(window, span) if window else span
+        if positions.device.type == "cpu" and positions.numel():
+            # No graph to keep valid on the CPU: read no more context rows than the furthest anchor has.
+            span = min(span, int(positions[:, 0].max()))
         key_pos, valid = draft_context_span(positions[:, 0], window, span)
         ctx_k, ctx_v = self.cache.gather(layer_id, key_pos, seq_slots)
         return draft_attend_ref(q, k, v, ctx_k, ctx_v, valid, scale)

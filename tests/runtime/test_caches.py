@@ -593,3 +593,42 @@ def test_deferred_placement_writes_the_same_cell_table_when_the_step_places_it()
     sequence = new_cache(cfg, LAYOUT_SEQUENCE)
     assert not sequence.placement_input
     assert sequence.declare_rows([0, 1], [0, 0], defer=True) is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cpu_draft_attention_reads_only_the_context_the_anchors_have_and_answers_as_over_the_static_span(layout):
+    """`DraftOps.attend` on the CPU gathers no more context rows than the batch's furthest anchor has; its answer
+    equals the reference over the cache's whole static span (the extra rows are masked there), on a ring layer
+    whose window is shorter than the context and on a flat one, with anchors 0, inside and past the window."""
+    from mg.kernels.draft_attention_ref import draft_attend_ref, draft_context_span
+    from mg.runtime.draft_ops import DraftOps
+
+    cfg = tiny_cfg(window=4)
+    cache = new_cache(cfg, layout)
+    cache.reserve()
+    ops = DraftOps(cache)
+    g = torch.Generator().manual_seed(5)
+    lengths = {0: 11, 2: 3}
+    for slot, length in lengths.items():
+        for start in range(0, length, 8):  # steps of at most max_write rows
+            pos = list(range(start, min(length, start + 8)))
+            cache.declare_rows(pos, [slot] * len(pos))
+            for layer in range(cfg.n_layers):
+                k, v = (torch.randn(len(pos), cfg.n_kv_heads, cfg.head_dim, generator=g) for _ in range(2))
+                ops.append(k, v, torch.tensor(pos), torch.full((len(pos),), slot), layer)
+    gathered = []
+    real_gather = cache.gather
+    cache.gather = lambda layer, key_pos, slots: gathered.append(key_pos.shape[1]) or real_gather(layer, key_pos, slots)
+    t = 4
+    positions = torch.tensor([11, 0, 3])[:, None] + torch.arange(t)[None, :]
+    slots = torch.tensor([0, 1, 2])
+    for layer in (RING, FLAT):
+        q = torch.randn(3, t, cfg.n_heads, cfg.head_dim, generator=g)
+        k, v = (torch.randn(3, t, cfg.n_kv_heads, cfg.head_dim, generator=g) for _ in range(2))
+        got = ops.attend(q, k, v, positions, slots, layer, SCALE)
+        window = cfg.window(layer)
+        span = min(window, cache.max_span(layer)) if window else cache.max_span(layer)
+        key_pos, valid = draft_context_span(positions[:, 0], window, span)
+        ctx_k, ctx_v = real_gather(layer, key_pos, slots)
+        torch.testing.assert_close(got, draft_attend_ref(q, k, v, ctx_k, ctx_v, valid, SCALE), atol=1e-6, rtol=1e-6)
+    assert gathered == [4, 11]  # the ring layer's window; the flat layer's furthest anchor
