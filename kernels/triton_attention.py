@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .precision import cuda_fp32_matmuls_tf32
+
 
 def _why_unavailable() -> str:
     try:
@@ -319,6 +321,8 @@ def _launch_draft(q, k_blk, v_blk, k, v, positions, seq_slots, table, rows: int,
     else:
         part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     upcast = _INTERPRETING and q.dtype != torch.float32
+    # float32 dots in TF32 where the caller's fp32 products run so (the drafter's methods: RunConfig.draft_tf32)
+    ieee = upcast or (q.dtype == torch.float32 and not cuda_fp32_matmuls_tf32())
     wide = q.dtype == torch.float32 or block_t * _next_pow2(group) > 64
     _jit._draft_attend_kernel[(b, hkv, num_splits)](
         q, k_blk, v_blk, k, v, out, part_o, part_lse, positions, seq_slots, table, hq, span, rows, scale * LOG2E,
@@ -327,8 +331,8 @@ def _launch_draft(q, k_blk, v_blk, k, v, positions, seq_slots, table, rows: int,
         positions.stride(0), *k_strides, *v_strides, *table_strides,
         T=t, BLOCK_T=block_t, GROUP=group, GP=_next_pow2(group),
         BLOCK_N=32 if q.dtype == torch.float32 or block_d > 128 else 64, HEAD_DIM=d, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, IS_CELL=is_cell, DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        UPCAST_DOT=upcast, num_warps=8 if wide else 4, num_stages=2,
+        NUM_SPLITS=num_splits, IS_CELL=is_cell, DOT_PRECISION="ieee" if ieee else "tf32", UPCAST_DOT=upcast,
+        num_warps=8 if wide else 4, num_stages=2,
     )
     if num_splits > 1:
         _combine(part_o, part_lse, out.view(b * t, hq, d), num_splits, block_d)

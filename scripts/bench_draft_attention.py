@@ -7,8 +7,9 @@ in both KV layouts: per-call GPU time of a CUDA-graph replay (the split-K combin
 flushed before each repeat, median of `--repeats`. Every split count's output is checked against the
 unsplit kernel's (max |difference| in the JSON).
 
-Shapes: `default` is the embedded default's drafter (6 query heads, 2 KV heads, head_dim 64, float32),
-`medium` the bench drafter (16 / 4 / 128, bf16), `mg-30b` MG-30B's (32 / 8 / 128, bf16); T = 16.
+Shapes: `default` is the embedded default's drafter (6 query heads, 2 KV heads, head_dim 64, float32, its dots
+in TF32 as the engine's drafter methods run them on CUDA), `default-ieee` the same in full precision, `medium`
+the bench drafter (16 / 4 / 128, bf16), `mg-30b` MG-30B's (32 / 8 / 128, bf16); T = 16.
 
     python scripts/bench_draft_attention.py --out bench_draft_attention.json
 """
@@ -25,11 +26,13 @@ import torch
 
 from bench_attention import Timer, cells_from_columns
 from mg.kernels import triton_attention as ta
+from mg.kernels.precision import cuda_fp32_matmuls
 
-SHAPES = {  # name: (query heads, KV heads, head_dim, dtype)
-    "default": (6, 2, 64, torch.float32),
-    "medium": (16, 4, 128, torch.bfloat16),
-    "mg-30b": (32, 8, 128, torch.bfloat16),
+SHAPES = {  # name: (query heads, KV heads, head_dim, dtype, float32 dots in TF32)
+    "default": (6, 2, 64, torch.float32, True),
+    "default-ieee": (6, 2, 64, torch.float32, False),
+    "medium": (16, 4, 128, torch.bfloat16, False),
+    "mg-30b": (32, 8, 128, torch.bfloat16, False),
 }
 
 
@@ -50,7 +53,7 @@ class Row:
 
 def bench_point(timer: Timer, shape: str, batch: int, context: int, capacity: int, t: int,
                 splits: list[int]) -> list[Row]:
-    hq, hkv, d, dtype = SHAPES[shape]
+    hq, hkv, d, dtype, tf32 = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(*size):
@@ -72,11 +75,12 @@ def bench_point(timer: Timer, shape: str, batch: int, context: int, capacity: in
     }
     rows = []
     for layout, call in calls.items():
-        want = call(1).float()
-        times, diff = {}, 0.0
-        for n in sorted(set(splits) | {1, planned}):
-            times[n] = timer(lambda: call(n))
-            diff = max(diff, (call(n).float() - want).abs().max().item())
+        with cuda_fp32_matmuls(tf32):  # the graphs capture the kernels chosen under this setting
+            want = call(1).float()
+            times, diff = {}, 0.0
+            for n in sorted(set(splits) | {1, planned}):
+                times[n] = timer(lambda: call(n))
+                diff = max(diff, (call(n).float() - want).abs().max().item())
         best = min(times, key=times.get)
         rows.append(Row(shape, batch, context, layout, planned, times, times[planned], times[1], best, times[best],
                         diff))
@@ -98,7 +102,7 @@ def markdown(rows: list[Row], device: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="path of the JSON results")
-    parser.add_argument("--shapes", default="default,medium,mg-30b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default="default,default-ieee,medium,mg-30b", help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--capacity", type=int, default=4096, help="the columns' rows: the static span the plan sees")

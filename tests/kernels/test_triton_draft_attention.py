@@ -100,6 +100,24 @@ def test_draft_attend_triton_matches_the_reference_in_both_layouts(case, dtype, 
     torch.testing.assert_close(cells.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("case", [CASES[0], pytest.param(CUDA_CASES[0], marks=cuda_only)], ids=lambda c: c.name)
+def test_float32_dots_follow_the_callers_tf32_setting(case):
+    """Where the caller's fp32 products run in TF32 (the drafter's methods on CUDA: RunConfig.draft_tf32), so do
+    the kernel's dots: within TF32's rounding of the reference, and on CUDA not the full-precision answer."""
+    from mg.kernels.precision import cuda_fp32_matmuls
+
+    (q, k_blk, v_blk, k_store, v_store, *_, positions, slots), rows = _inputs(case, torch.float32)
+    want = _reference(q, k_blk, v_blk, k_store, v_store, positions, slots, case.window, rows)
+    with cuda_fp32_matmuls(False):
+        ieee = ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots, case.window, 0.3)
+    with cuda_fp32_matmuls(True):
+        tf32 = ta.draft_attend_columns_triton(q, k_blk, v_blk, k_store, v_store, positions, slots, case.window, 0.3)
+    torch.testing.assert_close(ieee, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(tf32, want, atol=1e-2, rtol=1e-2)
+    if DEVICE == "cuda":  # the interpreter computes every dot in full precision
+        assert not torch.equal(tf32, ieee)
+
+
 def test_draft_attend_triton_reads_only_the_context_before_the_anchor():
     """Keys at and after each block's anchor (stale rows of rejected drafts) change nothing; the context
     before it does."""

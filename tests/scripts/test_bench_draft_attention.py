@@ -31,7 +31,7 @@ def test_an_unknown_shape_is_refused_in_one_line():
     run = _run("--shapes", "default,huge")
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
-        "bench_draft_attention: unknown shape 'huge'; allowed: default, medium, mg-30b"]
+        "bench_draft_attention: unknown shape 'huge'; allowed: default, default-ieee, medium, mg-30b"]
 
 
 def test_a_context_the_capacity_cannot_hold_is_refused_in_one_line():
