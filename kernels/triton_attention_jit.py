@@ -154,21 +154,8 @@ def _draft_attend_kernel(
                      + offs_d[None, :], mask=kv_mask, other=0.0)
         vb = tl.load(vb_ptr + b * stride_vbb + offs_t[:, None] * stride_vbt + kv_head * stride_vbh
                      + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            kb = kb.to(tl.float32)
-        s = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(live[:, None] & t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_mma = p.to(vb.dtype)
-        if UPCAST_DOT:
-            p_mma = p_mma.to(tl.float32)
-            vb = vb.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_mma, vb, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _softmax_tile(q, kb, vb, live[:, None] & t_ok[None, :], acc, m_i, l_i, scale_log2,
+                                      DOT_PRECISION, UPCAST_DOT)
     q_row = b * T + t
     _store_rows(acc, m_i, l_i, live, q_row, q_head, split, out_ptr, part_o_ptr, part_lse_ptr, n_q_heads,
                 stride_ot, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS)
@@ -207,24 +194,31 @@ def _attend_keys(q, k_ptr, v_ptr, table_ptr, slot, kv_head, live, row_lo, row_po
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + k_off[:, None] + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:  # bf16 operands, exact products, fp32 sums: what the MMA does
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (live[:, None] & k_ok[None, :] & (k_pos[None, :] >= row_lo[:, None])
                    & (k_pos[None, :] <= row_pos[:, None]))
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                # rows with nothing visible yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_mma = p.to(v.dtype)
-        if UPCAST_DOT:
-            p_mma = p_mma.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_mma, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _softmax_tile(q, k, v, visible, acc, m_i, l_i, scale_log2, DOT_PRECISION, UPCAST_DOT)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _softmax_tile(q, k, v, visible, acc, m_i, l_i, scale_log2, DOT_PRECISION: tl.constexpr,
+                  UPCAST_DOT: tl.constexpr):
+    """One K/V tile into the online softmax: (acc, m, l) updated with the `visible` [rows, keys] scores, log2."""
+    if UPCAST_DOT:  # bf16 operands, exact products, fp32 sums: what the MMA does
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                    # rows with nothing visible yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p_mma = p.to(v.dtype)
+    if UPCAST_DOT:
+        p_mma = p_mma.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p_mma, v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
