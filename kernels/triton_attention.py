@@ -295,7 +295,8 @@ def plan_draft_splits(batch: int, n_kv_heads: int, span: int, sms: int) -> int:
     """Split count of the drafter's block attention, from shapes only: `DRAFT_TARGET_WAVES` programs per SM
     over (block, KV head, split), at least `MIN_DRAFT_KEYS_PER_SPLIT` keys of the static span per split, at most
     `MAX_SPLITS`. On the device each split gets whole tiles of the actual context, so a short context
-    leaves the trailing splits empty (they exit after one check) rather than tiny."""
+    leaves the trailing splits empty rather than tiny (an empty split reads no key and writes only its rows'
+    log2-sum-exp)."""
     by_span = max(1, _cdiv(span, MIN_DRAFT_KEYS_PER_SPLIT))
     return max(1, min(_cdiv(DRAFT_TARGET_WAVES * sms, max(1, batch * n_kv_heads)), by_span, MAX_SPLITS))
 
@@ -324,14 +325,17 @@ def _launch_draft(q, k_blk, v_blk, k, v, positions, seq_slots, table, rows: int,
     # float32 dots in TF32 where the caller's fp32 products run so (the drafter's methods: RunConfig.draft_tf32)
     ieee = upcast or (q.dtype == torch.float32 and not cuda_fp32_matmuls_tf32())
     wide = q.dtype == torch.float32 or block_t * _next_pow2(group) > 64
+    # Keys per tile: float32 with head_dim > 128 takes 16 (sm_90 compile: a TF32 tile of 128 rows x 256 with 32
+    # keys needs 256 KB of shared memory, over the 227 KB limit), other float32 or head_dim > 128 32, else 64.
+    fp32 = q.dtype == torch.float32
+    block_n = 16 if fp32 and block_d > 128 else 32 if fp32 or block_d > 128 else 64
     _jit._draft_attend_kernel[(b, hkv, num_splits)](
         q, k_blk, v_blk, k, v, out, part_o, part_lse, positions, seq_slots, table, hq, span, rows, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_blk.stride(0), k_blk.stride(1), k_blk.stride(2),
         v_blk.stride(0), v_blk.stride(1), v_blk.stride(2), out.stride(1), out.stride(2),
         positions.stride(0), *k_strides, *v_strides, *table_strides,
         T=t, BLOCK_T=block_t, GROUP=group, GP=_next_pow2(group),
-        BLOCK_N=32 if q.dtype == torch.float32 or block_d > 128 else 64, HEAD_DIM=d, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, IS_CELL=is_cell, DOT_PRECISION="ieee" if ieee else "tf32", UPCAST_DOT=upcast,
+        BLOCK_N=block_n, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, IS_CELL=is_cell, DOT_PRECISION="ieee" if ieee else "tf32", UPCAST_DOT=upcast,
         num_warps=8 if wide else 4, num_stages=2,
     )
     if num_splits > 1:

@@ -30,7 +30,8 @@ an address) and both phases (`BLOCK_Q` = 1 for decode, > 1 for prefill chunks):
   way (whole tiles per split, sized on the device; the last split adds the block's keys) and
   merges the splits with the same combine kernel, the block's rows as its queries.
 - Online softmax in fp32, exp2 domain; P is cast to the K/V dtype for the PV product
-  (fp32 inputs use IEEE dots, never TF32). `UPCAST_DOT` is for the Triton interpreter
+  (fp32 inputs use IEEE dots; the drafter's kernel uses TF32 where its caller's fp32
+  products do). `UPCAST_DOT` is for the Triton interpreter
   only, whose `tl.dot` multiplies bf16 bit patterns as integers (triton 3.6): it feeds
   the dots the same bf16 values widened to fp32, which is what the MMA computes.
 """
@@ -224,7 +225,8 @@ def _softmax_tile(q, k, v, visible, acc, m_i, l_i, scale_log2, DOT_PRECISION: tl
 @triton.jit
 def _store_rows(acc, m_i, l_i, live, q_row, q_head, split, out_ptr, part_o_ptr, part_lse_ptr, n_q_heads,
                 stride_on, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Normalise the live rows; write the output, or with splits the partial output and its log2-sum-exp."""
+    """Normalise the live rows; write the output, or with splits the partial output and its log2-sum-exp (rows
+    that saw no key in this split: the log2-sum-exp alone, -inf)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (offs_d < HEAD_DIM)[None, :]
     has_keys = l_i > 0.0                                                    # empty splits: o = 0, lse = -inf
@@ -235,7 +237,8 @@ def _store_rows(acc, m_i, l_i, live, q_row, q_head, split, out_ptr, part_o_ptr, 
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part = (q_row * n_q_heads + q_head) * NUM_SPLITS + split            # [BLOCK_M] int64
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+        # Rows without keys in this split write only lse = -inf; the combine reads no output of theirs.
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask & has_keys[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=live)
 
@@ -254,8 +257,8 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_q_heads, stride_
     lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))                    # empty splits weigh 0
-    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],        # empty splits wrote none
+                mask=(s_ok & (lse > float("-inf")))[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     total = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + n * stride_on + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
