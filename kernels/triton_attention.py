@@ -194,31 +194,40 @@ def _launch_attention(q, k, v, positions, seq_slots, table, rows: int, span: int
     else:
         part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     grid = (_cdiv(n, plan.block_q), hkv, plan.num_splits)
-    upcast = _INTERPRETING and q.dtype != torch.float32
     _jit._attend_kernel[grid](
         q, k, v, out, part_o, part_lse, positions, seq_slots, table,
         n, hq, span, rows, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_strides, *v_strides, *table_strides,
-        GROUP=hq // hkv, GP=plan.gp, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, HEAD_DIM=d,
-        BLOCK_D=plan.block_d, NUM_SPLITS=plan.num_splits, IS_CELL=is_cell,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **attend_meta(plan, hq // hkv, d, q.dtype, is_cell, _INTERPRETING),
     )
     if plan.num_splits > 1:
-        _combine(part_o, part_lse, out, plan.num_splits, plan.block_d)
+        _combine(part_o, part_lse, out, plan.num_splits)
     return out
 
 
-def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int, block_d: int) -> None:
+def attend_meta(plan: LaunchPlan, group: int, head_dim: int, dtype: torch.dtype, is_cell: bool,
+                interpreting: bool = False) -> dict:
+    """`_attend_kernel`'s compile-time arguments and launch options for `plan` (shapes only, no device)."""
+    upcast = interpreting and dtype != torch.float32
+    return dict(GROUP=group, GP=plan.gp, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, HEAD_DIM=head_dim,
+                BLOCK_D=plan.block_d, NUM_SPLITS=plan.num_splits, IS_CELL=is_cell,
+                DOT_PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
+                num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
+def combine_meta(head_dim: int, num_splits: int) -> dict:
+    """`_combine_splits_kernel`'s compile-time arguments and launch options."""
+    block_d, block_s = max(16, _next_pow2(head_dim)), _next_pow2(num_splits)
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=block_s,
+                num_warps=4 if block_s * block_d <= 4096 else 8)
+
+
+def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
     """Merge split-K partials (`_store_rows`' layout) into out [N, Hq, D]: one program per (row, query head)."""
     n, hq, d = out.shape
-    block_s = _next_pow2(num_splits)
-    _jit._combine_splits_kernel[(n, hq)](
-        part_o, part_lse, out, hq, out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=block_s, num_warps=4 if block_s * block_d <= 4096 else 8,
-    )
+    _jit._combine_splits_kernel[(n, hq)](part_o, part_lse, out, hq, out.stride(0), out.stride(1),
+                                         **combine_meta(d, num_splits))
 
 
 def attend_columns_triton(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, positions: torch.Tensor,
@@ -301,6 +310,22 @@ def plan_draft_splits(batch: int, n_kv_heads: int, span: int, sms: int) -> int:
     return max(1, min(_cdiv(DRAFT_TARGET_WAVES * sms, max(1, batch * n_kv_heads)), by_span, MAX_SPLITS))
 
 
+def draft_meta(t: int, group: int, head_dim: int, dtype: torch.dtype, num_splits: int, is_cell: bool, tf32: bool,
+               interpreting: bool = False) -> dict:
+    """`_draft_attend_kernel`'s compile-time arguments and launch options (shapes only, no device). `tf32`: float32
+    dots in TF32 (the caller's fp32 products run so)."""
+    upcast = interpreting and dtype != torch.float32
+    fp32 = dtype == torch.float32
+    block_t, block_d, gp = max(16, _next_pow2(t)), max(16, _next_pow2(head_dim)), _next_pow2(group)
+    # Keys per tile: float32 with head_dim > 128 takes 16 (sm_90 compile: a TF32 tile of 128 rows x 256 with 32
+    # keys needs 256 KB of shared memory, over the 227 KB limit), other float32 or head_dim > 128 32, else 64.
+    block_n = 16 if fp32 and block_d > 128 else 32 if fp32 or block_d > 128 else 64
+    return dict(T=t, BLOCK_T=block_t, GROUP=group, GP=gp, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                NUM_SPLITS=num_splits, IS_CELL=is_cell,
+                DOT_PRECISION="ieee" if upcast or (fp32 and not tf32) else "tf32", UPCAST_DOT=upcast,
+                num_warps=8 if fp32 or block_t * gp > 64 else 4, num_stages=2)
+
+
 def _launch_draft(q, k_blk, v_blk, k, v, positions, seq_slots, table, rows: int, span: int, scale: float,
                   k_strides: tuple[int, int, int], v_strides: tuple[int, int, int], table_strides: tuple[int, int],
                   is_cell: bool, num_splits: int | None) -> torch.Tensor:
@@ -313,33 +338,21 @@ def _launch_draft(q, k_blk, v_blk, k, v, positions, seq_slots, table, rows: int,
         num_splits = plan_draft_splits(b, hkv, span, device_sms(q.device))
     _require(isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS,
              f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
-    group = hq // hkv
-    block_t = max(16, _next_pow2(t))
-    block_d = max(16, _next_pow2(d))
     if num_splits > 1:
         part_o = torch.empty((b * t, hq, num_splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b * t, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
-    upcast = _INTERPRETING and q.dtype != torch.float32
-    # float32 dots in TF32 where the caller's fp32 products run so (the drafter's methods: RunConfig.draft_tf32)
-    ieee = upcast or (q.dtype == torch.float32 and not cuda_fp32_matmuls_tf32())
-    wide = q.dtype == torch.float32 or block_t * _next_pow2(group) > 64
-    # Keys per tile: float32 with head_dim > 128 takes 16 (sm_90 compile: a TF32 tile of 128 rows x 256 with 32
-    # keys needs 256 KB of shared memory, over the 227 KB limit), other float32 or head_dim > 128 32, else 64.
-    fp32 = q.dtype == torch.float32
-    block_n = 16 if fp32 and block_d > 128 else 32 if fp32 or block_d > 128 else 64
+    tf32 = q.dtype == torch.float32 and cuda_fp32_matmuls_tf32()  # the caller's fp32 products run in TF32
+    meta = draft_meta(t, hq // hkv, d, q.dtype, num_splits, is_cell, tf32, _INTERPRETING)
     _jit._draft_attend_kernel[(b, hkv, num_splits)](
         q, k_blk, v_blk, k, v, out, part_o, part_lse, positions, seq_slots, table, hq, span, rows, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_blk.stride(0), k_blk.stride(1), k_blk.stride(2),
         v_blk.stride(0), v_blk.stride(1), v_blk.stride(2), out.stride(1), out.stride(2),
-        positions.stride(0), *k_strides, *v_strides, *table_strides,
-        T=t, BLOCK_T=block_t, GROUP=group, GP=_next_pow2(group),
-        BLOCK_N=block_n, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, IS_CELL=is_cell, DOT_PRECISION="ieee" if ieee else "tf32", UPCAST_DOT=upcast,
-        num_warps=8 if wide else 4, num_stages=2,
+        positions.stride(0), *k_strides, *v_strides, *table_strides, **meta,
     )
     if num_splits > 1:
-        _combine(part_o, part_lse, out.view(b * t, hq, d), num_splits, block_d)
+        _combine(part_o, part_lse, out.view(b * t, hq, d), num_splits)
     return out
 
 
