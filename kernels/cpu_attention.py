@@ -8,8 +8,9 @@ chunk) gathers its keys once, from the first position any of its queries reads t
 with one `scaled_dot_product_attention` call whose mask gives each query exactly the keys the reference
 gives it (positions `[max(0, p - window + 1), p]`). Rows alone in their sequence (decode) go together in
 one call, each over its own span, as long as the longest of them needs rather than the whole column.
-Math in fp32, output in q's dtype, as the references. Tests compare them with the references.
-Knows torch only.
+Math in fp32, output in q's dtype, as the references. `draft_attend_cpu` is the drafter's block attention
+(`draft_attend_ref`'s contract) as one `scaled_dot_product_attention` call instead of the reference's einsums.
+Tests compare them with the references. Knows torch only.
 """
 
 from __future__ import annotations
@@ -107,3 +108,16 @@ def attend_cells_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         return k_pool[cells], v_pool[cells]
 
     return _attend(q, positions, seq_slots, window, scale, keys, key_rows)
+
+
+def draft_attend_cpu(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, ctx_k: torch.Tensor,
+                     ctx_v: torch.Tensor, ctx_valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """`draft_attend_ref` in one SDPA call: q [B, T, Hq, D], k_blk/v_blk [B, T, Hkv, D], ctx_k/ctx_v [B, S, Hkv, D],
+    ctx_valid [B, S] -> [B, T, Hq, D] in q's dtype. Every row sees the block's own keys, so no row is fully masked."""
+    b, t, hq, _ = q.shape
+    keys = torch.cat([ctx_k, k_blk], dim=1).float().transpose(1, 2)  # [B, Hkv, S + T, D]
+    values = torch.cat([ctx_v, v_blk], dim=1).float().transpose(1, 2)
+    valid = torch.cat([ctx_valid, ctx_valid.new_ones(b, t)], dim=1)[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys, values, attn_mask=valid, scale=scale,
+                                         enable_gqa=hq != k_blk.shape[2])
+    return out.transpose(1, 2).to(q.dtype)

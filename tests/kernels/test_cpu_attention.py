@@ -87,3 +87,27 @@ def test_a_row_depends_only_on_its_own_sequence():
     mine = slots == 1
     alone = attend_columns_cpu(q[mine], ks, vs, pos[mine], slots[mine], 0, SCALE)
     assert torch.equal(full[mine], alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq, hkv", [(6, 2), (4, 4)])
+def test_draft_attention_matches_the_reference(hq, hkv, dtype):
+    """`draft_attend_cpu` against `draft_attend_ref`: blocks with context, with none valid (an anchor at 0) and with
+    invalid rows between valid ones, grouped and plain heads."""
+    from mg.kernels.cpu_attention import draft_attend_cpu
+    from mg.kernels.draft_attention_ref import draft_attend_ref
+
+    g = torch.Generator().manual_seed(1)
+    b, t, s, d = 3, 5, 9, 16
+    q = torch.randn(b, t, hq, d, generator=g).to(dtype)
+    k_blk, v_blk, ctx_k, ctx_v = (torch.randn(b, n, hkv, d, generator=g).to(dtype) for n in (t, t, s, s))
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1] = False
+    valid[2, ::2] = False
+    want = draft_attend_ref(q, k_blk, v_blk, ctx_k, ctx_v, valid, SCALE)
+    got = draft_attend_cpu(q, k_blk, v_blk, ctx_k, ctx_v, valid, SCALE)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    ctx_k[2, ::2] = 1e3  # keys of invalid rows change nothing
+    torch.testing.assert_close(draft_attend_cpu(q, k_blk, v_blk, ctx_k, ctx_v, valid, SCALE), got, atol=0, rtol=0)
