@@ -188,11 +188,7 @@ def _launch_attention(q, k, v, positions, seq_slots, table, rows: int, span: int
         plan = plan_attention(n, n_slots, hq, hkv, d, span, q.dtype, device_sms(q.device), block_q, num_splits)
     _require(plan.block_q * plan.gp >= 16 and plan.gp >= hq // hkv and plan.block_d >= max(16, d)
              and plan.block_n >= 16, f"plan {plan} does not fit group {hq // hkv}, head_dim {d}")
-    if plan.num_splits > 1:
-        part_o = torch.empty((n, hq, plan.num_splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((n, hq, plan.num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    part_o, part_lse = _partials(out, n, plan.num_splits)
     grid = (_cdiv(n, plan.block_q), hkv, plan.num_splits)
     _jit._attend_kernel[grid](
         q, k, v, out, part_o, part_lse, positions, seq_slots, table,
@@ -221,6 +217,16 @@ def combine_meta(head_dim: int, num_splits: int) -> dict:
     block_d, block_s = max(16, _next_pow2(head_dim)), _next_pow2(num_splits)
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=block_s,
                 num_warps=4 if block_s * block_d <= 4096 else 8)
+
+
+def _partials(out: torch.Tensor, rows: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partial outputs [rows, Hq, splits, D] and log2-sum-exps [rows, Hq, splits] (fp32) for `out`'s
+    rows x query heads; with one split the kernel writes `out` directly and these are `out`, unused."""
+    if num_splits == 1:
+        return out, out
+    hq, d = out.shape[-2:]
+    return (torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=out.device),
+            torch.empty((rows, hq, num_splits), dtype=torch.float32, device=out.device))
 
 
 def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
@@ -338,11 +344,7 @@ def _launch_draft(q, k_blk, v_blk, k, v, positions, seq_slots, table, rows: int,
         num_splits = plan_draft_splits(b, hkv, span, device_sms(q.device))
     _require(isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS,
              f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
-    if num_splits > 1:
-        part_o = torch.empty((b * t, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((b * t, hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    part_o, part_lse = _partials(out, b * t, num_splits)
     tf32 = q.dtype == torch.float32 and cuda_fp32_matmuls_tf32()  # the caller's fp32 products run in TF32
     meta = draft_meta(t, hq // hkv, d, q.dtype, num_splits, is_cell, tf32, _INTERPRETING)
     _jit._draft_attend_kernel[(b, hkv, num_splits)](

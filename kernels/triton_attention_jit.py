@@ -229,7 +229,7 @@ def _store_rows(acc, m_i, l_i, live, q_row, q_head, split, out_ptr, part_o_ptr, 
     that saw no key in this split: the log2-sum-exp alone, -inf)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (offs_d < HEAD_DIM)[None, :]
-    has_keys = l_i > 0.0                                                    # empty splits: o = 0, lse = -inf
+    has_keys = l_i > 0.0                                          # rows that saw no key: lse = -inf
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]
     if NUM_SPLITS == 1:

@@ -102,7 +102,7 @@ def markdown(rows: list[Row], device: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="path of the JSON results")
-    parser.add_argument("--shapes", default="default,default-ieee,medium,mg-30b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--capacity", type=int, default=4096, help="the columns' rows: the static span the plan sees")
