@@ -61,6 +61,7 @@ class ExportOptions:
     dtype: Optional[str] = None  # None: the checkpoint's dtype
     force: bool = False
     weights: str = C.WEIGHTS_FLOAT  # linear layers: float (in `dtype`) | int8 | int4
+    draft_weights: Optional[str] = None  # the drafter's linears: float | int8 | int4 [default: as `weights`]
     group_size: Optional[int] = None  # int4: input columns per scale [default: 128]
     quantize_head: bool = False  # the LM head too (it stays in `dtype` otherwise)
     calibration: Optional[Path] = None  # a UTF-8 text file: the target's quantized linears by GPTQ on it
@@ -159,9 +160,12 @@ def check_options(opts: ExportOptions) -> None:
         raise ExportError(f"--dtype is {opts.dtype!r}; allowed: {' | '.join(C.DTYPES)}")
     if opts.weights not in C.WEIGHT_SCHEMES:
         raise ExportError(f"--weights is {opts.weights!r}; allowed: {' | '.join(C.WEIGHT_SCHEMES)}")
+    if opts.draft_weights not in (None, *C.WEIGHT_SCHEMES):
+        raise ExportError(f"--draft-weights is {opts.draft_weights!r}; allowed: {' | '.join(C.WEIGHT_SCHEMES)}")
     if opts.group_size is not None:
-        if opts.weights != C.WEIGHTS_INT4:
-            raise ExportError(f"--group-size applies to --weights {C.WEIGHTS_INT4} only (--weights is {opts.weights})")
+        if C.WEIGHTS_INT4 not in (opts.weights, draft_scheme(opts)):
+            drafter = f", --draft-weights {opts.draft_weights}" if opts.draft_weights else ""
+            raise ExportError(f"--group-size applies to int4 weights only (--weights is {opts.weights}{drafter})")
         if opts.group_size not in C.INT4_GROUP_SIZES:
             raise ExportError(f"--group-size is {opts.group_size}; allowed: "
                               f"{' | '.join(map(str, C.INT4_GROUP_SIZES))}")
@@ -195,6 +199,11 @@ def check_options(opts: ExportOptions) -> None:
         if not (out / C.MANIFEST_FILE).is_file():
             raise ExportError(f"--output-dir {out} is not empty and holds no {C.MANIFEST_FILE}: --force replaces "
                               f"only an artifact directory (or an empty one); choose another directory")
+
+
+def draft_scheme(opts: ExportOptions) -> str:
+    """How the drafter's linears are stored: --draft-weights, else as the target's (--weights)."""
+    return opts.draft_weights or opts.weights
 
 
 def target_kv(cfg: MuseGlimmerConfig, opts: ExportOptions, dtype: str) -> KVSpec:
@@ -253,10 +262,11 @@ def _ptd_tensors(external: dict[str, tuple], sources: dict[str, WeightSource],
     return tensors
 
 
-def _weight_groups(plans: dict[str, dict], scheme: str, group_size: Optional[int],
+def _weight_groups(plans: dict[str, dict], opts: ExportOptions, group_size: Optional[int],
                    calibration_tokens: int = 0) -> tuple[WeightGroup, ...]:
-    """The manifest's record of what was quantized: the target's layer linears, its head, the drafter's; with
-    `calibration_tokens`, the target's groups by GPTQ on that many tokens (the drafter's always rounded)."""
+    """The manifest's record of what was quantized: the target's layer linears and its head (--weights), the
+    drafter's (--draft-weights); with `calibration_tokens`, the target's groups by GPTQ on that many tokens (the
+    drafter's always rounded). `group_size`: int4's, for every int4 group."""
     counts = {C.GROUP_TARGET_LINEARS: sum(1 for n in plans.get("model", {}) if n != "output"),
               C.GROUP_TARGET_HEAD: sum(1 for n in plans.get("model", {}) if n == "output"),
               C.GROUP_DRAFT_LINEARS: len(plans.get("draft", {}))}
@@ -266,7 +276,11 @@ def _weight_groups(plans: dict[str, dict], scheme: str, group_size: Optional[int
             return {"fit": C.FIT_GPTQ, "calibration_tokens": calibration_tokens}
         return {}
 
-    return tuple(WeightGroup(group, scheme, group_size, n, **fit(group)) for group, n in counts.items() if n)
+    def scheme(group: str) -> str:
+        return draft_scheme(opts) if group == C.GROUP_DRAFT_LINEARS else opts.weights
+
+    return tuple(WeightGroup(group, scheme(group), group_size if scheme(group) == C.WEIGHTS_INT4 else None, n,
+                             **fit(group)) for group, n in counts.items() if n)
 
 
 def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict],
@@ -297,22 +311,35 @@ def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict]
 
 def _quantize(opts: ExportOptions, model: MuseGlimmer, draft_model: Optional[DFlashDraft], group_size: Optional[int],
               dtype: str, progress: Progress) -> dict[str, dict]:
-    """With --weights int8|int4: the (meta) models' linears replaced in place, before any lowering (a width the
-    groups do not divide is refused at once); -> {source prefix: plan}."""
-    if opts.weights == C.WEIGHTS_FLOAT:
-        return {}
+    """The (meta) models' linears replaced in place where --weights (target) and --draft-weights (drafter) ask
+    for int8 | int4, before any lowering (a width the groups do not divide is refused at once); -> {source
+    prefix: plan} of the parts quantized."""
+    draft_weights = draft_scheme(opts) if draft_model is not None else C.WEIGHTS_FLOAT
+    plans, said = {}, []
     try:
-        plans = {"model": quantize_linears(model, opts.weights, group_size,
-                                           frozenset() if opts.quantize_head else frozenset({"output"}))}
-        if draft_model is not None:
-            plans["draft"] = quantize_linears(draft_model, opts.weights, group_size, where="draft.")
+        if opts.weights != C.WEIGHTS_FLOAT:
+            plans["model"] = quantize_linears(model, opts.weights, _group(opts.weights, group_size),
+                                              frozenset() if opts.quantize_head else frozenset({"output"}))
+            head = " and its head" if opts.quantize_head else ""
+            said.append(f"target{head} {_scheme_words(opts.weights, group_size)}")
+        if draft_weights != C.WEIGHTS_FLOAT:
+            plans["draft"] = quantize_linears(draft_model, draft_weights, _group(draft_weights, group_size),
+                                              where="draft.")
+            said.append(f"drafter {_scheme_words(draft_weights, group_size)}")
     except QuantizeError as e:
         raise ExportError(str(e)) from None
-    scheme = opts.weights + (f" in groups of {group_size}" if group_size else " per output channel")
-    progress(f"weights: {sum(map(len, plans.values()))} linears quantized to {scheme} (target"
-             f"{', its head' if opts.quantize_head else ''}{', drafter' if draft_model is not None else ''}); "
-             f"embeddings{'' if opts.quantize_head else ' and head'} stay {dtype}")
+    if plans:
+        progress(f"weights: {sum(map(len, plans.values()))} linears quantized ({', '.join(said)}); "
+                 f"embeddings{'' if opts.quantize_head else ' and head'} stay {dtype}")
     return plans
+
+
+def _group(scheme: str, group_size: Optional[int]) -> Optional[int]:
+    return group_size if scheme == C.WEIGHTS_INT4 else None
+
+
+def _scheme_words(scheme: str, group_size: Optional[int]) -> str:
+    return f"{scheme} in groups of {group_size}" if scheme == C.WEIGHTS_INT4 else f"{scheme} per output channel"
 
 
 def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progress,
@@ -333,7 +360,11 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
     progress(f"model {target.name}: {cfg.n_layers} layers ({len(kv.ring_layers)} ring, "
              f"{cfg.n_layers - len(kv.ring_layers)} flat), dim {cfg.dim}, vocab {cfg.vocab_size}, "
              f"{cfg.n_params() / 1e9:.3f}B parameters, {dtype}, weights from {target.weights.description}")
-    group_size = (opts.group_size or DEFAULT_GROUP_SIZE) if opts.weights == C.WEIGHTS_INT4 else None
+    if opts.draft_weights is not None and draft is None:
+        raise ExportError("--draft-weights applies to an export with a drafter; this one has none (give "
+                          "--draft-checkpoint or --draft-preset)")
+    int4 = C.WEIGHTS_INT4 in (opts.weights, draft_scheme(opts) if draft is not None else C.WEIGHTS_FLOAT)
+    group_size = (opts.group_size or DEFAULT_GROUP_SIZE) if int4 else None
     plans = _quantize(opts, model, draft_model, group_size, dtype, progress)
     stored = sum(p.numel() * p.element_size() for m in (model, draft_model) if m is not None for p in m.parameters())
     check_disk(_existing(Path(opts.output_dir).parent), stored)  # up front, before calibration and lowering
@@ -396,7 +427,7 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
             files=tuple(entries),
             provenance=Provenance(tool_version=_version("mg-toolchain"), torch_version=torch.__version__,
                                   executorch_version=_version("executorch")),
-            weights=_weight_groups(plans, opts.weights, group_size, calibration_tokens),
+            weights=_weight_groups(plans, opts, group_size, calibration_tokens),
         )
         write_manifest(manifest, tmp / C.MANIFEST_FILE)
         _replace_dir(tmp, out)

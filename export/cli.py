@@ -47,11 +47,14 @@ def _progress():
               help="Tokens written per step, all sequences together.")
 @click.option("--dtype", type=str, default=None, metavar="float32|bfloat16", help="[default: the checkpoint's]")
 @click.option("--weights", type=str, default=C.WEIGHTS_FLOAT, show_default=True, metavar="float|int8|int4",
-              help="Linear layers (target and drafter): float (stored in --dtype) | int8 (per output channel) | "
+              help="Linear layers (target, and drafter unless --draft-weights): float (stored in --dtype) | int8 (per output channel) | "
                    "int4 (groups of --group-size input columns, with zero points). Embeddings stay float.")
+@click.option("--draft-weights", type=str, default=None, metavar="float|int8|int4",
+              help="The drafter's linear layers, apart from the target's: its drafts are only proposals the target "
+                   "verifies, so this moves acceptance and speed, never the output. [default: as --weights]")
 @click.option("--group-size", type=int, default=None,
-              help=f"--weights int4: input columns per scale, one of {' | '.join(map(str, C.INT4_GROUP_SIZES))} "
-                   f"[default: 128].")
+              help=f"int4 (--weights or --draft-weights): input columns per scale, one of "
+                   f"{' | '.join(map(str, C.INT4_GROUP_SIZES))} [default: 128].")
 @click.option("--quantize-head", is_flag=True, help="Quantize the LM head too (it stays float otherwise).")
 @click.option("--calibration", type=click.Path(path_type=Path), default=None, metavar="TEXT_FILE",
               help="With --weights int8|int4: round the target's quantized linears by GPTQ, so that their outputs "
@@ -64,8 +67,8 @@ def _progress():
 @click.option("-o", "--output-dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory (one holding manifest.json).")
 def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, max_seqs, max_cells, max_context, max_write,
-         dtype, weights, group_size, quantize_head, calibration, calibration_tokens, calibration_device, output_dir,
-         force):
+         dtype, weights, draft_weights, group_size, quantize_head, calibration, calibration_tokens, calibration_device,
+         output_dir, force):
     """Export an MG model to an ExecuTorch program (model.pte), its weights (model.ptd) and manifest.json."""
     from mg.kernels.quiet import quiet_dependencies
 
@@ -87,14 +90,18 @@ def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, m
         _die(f"--draft-preset {draft_preset} without --checkpoint or --preset would pair the trained embedded "
              f"target with a random-weight drafter; give --preset NAME (random target too) or --draft-checkpoint "
              f"DIR")
+    if draft_weights is not None and not embedded and draft_checkpoint is None and draft_preset is None:
+        _die("--draft-weights applies to an export with a drafter; this one has none (give --draft-checkpoint or "
+             "--draft-preset)")
     if layout == C.LAYOUT_SEQUENCE and max_seqs is None and max_cells is None:
         max_seqs = 8
     if layout == C.LAYOUT_CELL and max_cells is None and max_seqs is None:
         max_cells = 4096
     opts = ExportOptions(output_dir=output_dir, layout=layout, max_seqs=max_seqs, max_cells=max_cells,
                          max_context=max_context, max_write=max_write, dtype=dtype, force=force, weights=weights,
-                         group_size=group_size, quantize_head=quantize_head, calibration=calibration,
-                         calibration_tokens=calibration_tokens, calibration_device=calibration_device)
+                         draft_weights=draft_weights, group_size=group_size, quantize_head=quantize_head,
+                         calibration=calibration, calibration_tokens=calibration_tokens,
+                         calibration_device=calibration_device)
     say = _progress()
     try:
         check_options(opts)

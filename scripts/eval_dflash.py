@@ -13,6 +13,10 @@ runs (slowest over fastest): a speed-up within about that spread of 1.0 cannot b
     python scripts/eval_dflash.py --out eval.json                      # the embedded default, on CPU
     python scripts/eval_dflash.py --device cuda --out eval_cuda.json
     python scripts/eval_dflash.py --device cuda --compare-overlap --out eval_cuda.json  # + target-only, no overlap
+    python scripts/eval_dflash.py --draft-weights float,int4 --speculation adaptive --out eval_drafters.json
+
+`--draft-weights` exports the pair once per drafter scheme (the target stays float, so target-only is the same
+model) and runs every policy on each drafter in the same interleaved rounds.
 
 Every engine runs with `--overlap` (auto: overlapped plain steps with CUDA graphs, `RunConfig.overlap`);
 `--compare-overlap` also times target-only with every step read back at once, in the same rounds.
@@ -32,10 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from script_common import add_matmul_args, add_overlap_arg, auto_on_off, matmul_name, matmul_settings  # noqa: E402
 
-from mg.manifests.constants import DTYPES  # noqa: E402
+from mg.manifests.constants import DTYPES, WEIGHT_SCHEMES  # noqa: E402
 
 
-def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: int, dtype: str | None = None) -> Path:
+def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: int, dtype: str | None = None,
+            draft_weights: str | None = None) -> Path:
     from mg.export.artifact import PRESET_SEED, ExportOptions, export_artifact, load_target
     from mg.export.draft_lower import load_draft
 
@@ -43,7 +48,7 @@ def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: i
     draft = load_draft(draft_checkpoint, None if draft_checkpoint else "tiny", target.cfg, PRESET_SEED)
     opts = ExportOptions(output_dir=out, layout=layout, max_seqs=8 if layout == "sequence" else None,
                          max_cells=8 * max_context if layout == "cell" else None, max_context=max_context,
-                         max_write=128, force=True, dtype=dtype)
+                         max_write=128, force=True, dtype=dtype, draft_weights=draft_weights)
     export_artifact(opts, target, lambda msg: print(f"  [export {layout}] {msg}", file=sys.stderr), draft)
     return out
 
@@ -131,15 +136,20 @@ def _row_acceptance(hist: list[int], block: int) -> list[float]:
 
 def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str, policies: list[str],
                     repeats: int = 1, traces: dict | None = None, settings: tuple = (),
-                    compare_overlap: bool = False) -> dict:
+                    compare_overlap: bool = False, drafters: dict[str, Path] | None = None) -> dict:
     """Target-only vs each speculation policy: each prompt alone, then all prompts in one batch. Each
     measurement runs `repeats` times, target-only and the policies interleaved, and keeps the fastest: one
     timing of a short run on a shared machine swings by more than the differences sought, and the noise
     only ever adds time. `traces`: gets {run: adaptive speculation's choices per step} of each prompt's and
     the batch's last adaptive run. `settings`: every engine's other `RunConfig` fields ((name, value) pairs:
     overlap, row_invariant, rows_kernel); `compare_overlap`: one more target-only engine, its steps read back at
-    once, timed in the same rounds."""
+    once, timed in the same rounds. `drafters`: {label: artifact} of the same target with other drafter weights
+    (`--draft-weights`): each policy also runs on each, as "<policy> (<label> drafter)", in the same rounds."""
     reqs = _requests(prompts, artifact_dir, max_new)
+    runs_on = {p: (p, artifact_dir) for p in policies}  # result name -> (speculation policy, artifact)
+    for label, art in (drafters or {}).items():
+        runs_on.update({f"{p} ({label} drafter)": (p, art) for p in policies})
+    policies = list(runs_on)
     from mg.manifests import read_manifest
 
     block = read_manifest(artifact_dir / "manifest.json").draft.block_size
@@ -152,10 +162,11 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
         times, last = {}, {}
         for _ in range(repeats):
             for policy in [None] + ([READ_BACK] if compare_overlap else []) + policies:
-                trace = [] if traces is not None and policy == "adaptive" else None
-                res, stats, s = _run(artifact_dir, batch, policy, device, trace, settings)
+                speculation, art = runs_on.get(policy, (policy, artifact_dir))
+                trace = [] if traces is not None and speculation == "adaptive" else None
+                res, stats, s = _run(art, batch, speculation, device, trace, settings)
                 if trace is not None:
-                    traces[name] = trace
+                    traces[name if policy == "adaptive" else f"{name} | {policy}"] = trace
                 times.setdefault(policy, []).append(s)
                 last[policy] = (res, stats)
                 if policy in policies:
@@ -219,7 +230,8 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
             "per_prompt": per_prompt[policy],
         }
     out["lossless_all"] = lossless
-    for key in [k for k in _ENGINES if k[0] == str(artifact_dir)]:  # the next layout's engines replace them
+    layout_arts = {str(a) for _, a in runs_on.values()} | {str(artifact_dir)}
+    for key in [k for k in _ENGINES if k[0] in layout_arts]:  # the next layout's engines replace them
         del _ENGINES[key]
     return out
 
@@ -264,6 +276,11 @@ def main() -> int:
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="the export's float dtype (mg-export --dtype) [default: the checkpoint's]")
+    p.add_argument("--draft-weights", default="float",
+                   help="comma-separated: the drafter's linears (mg-export --draft-weights; int4 in groups of 128), "
+                        "each its own export of the pair with the target float; the first is the drafter of the "
+                        "policies' plain names, each other one runs every policy too, in the same rounds, as "
+                        "\"<policy> (<scheme> drafter)\" [default: float]")
     p.add_argument("--speculation", default="adaptive,fixed", help="comma-separated: adaptive, fixed")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per measurement, target-only and DFlash interleaved; the fastest is kept")
@@ -277,6 +294,11 @@ def main() -> int:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats is {args.repeats}; allowed: an integer >= 1")
+    schemes = args.draft_weights.split(",")
+    for scheme in schemes:
+        if scheme not in WEIGHT_SCHEMES or schemes.count(scheme) > 1:
+            p.error(f"--draft-weights is {args.draft_weights!r}; allowed: distinct comma-separated "
+                    f"{' | '.join(WEIGHT_SCHEMES)}")
     from mg.kernels.quiet import quiet_dependencies
 
     quiet_dependencies()  # the exporter's dependencies log import-time noise
@@ -286,7 +308,8 @@ def main() -> int:
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
     from mg.runtime.config import RunConfig
 
-    results = {"device": args.device, "dtype": args.dtype or "checkpoint's", "prompts": str(args.prompts),
+    results = {"device": args.device, "dtype": args.dtype or "checkpoint's",
+               "draft_weights": schemes, "prompts": str(args.prompts),
                "max_new_tokens": args.max_new_tokens,
                "speculation": args.speculation.split(","), "overlap": args.overlap,
                "row_invariant": args.row_invariant, "rows_kernel": args.rows_kernel,
@@ -295,12 +318,13 @@ def main() -> int:
     settings = tuple(sorted({"overlap": auto_on_off(args.overlap), **matmul_settings(args)}.items()))
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
-            art = _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / layout, args.max_context,
-                          args.dtype)
+            arts = {scheme: _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / f"{layout}-{scheme}",
+                                    args.max_context, args.dtype, scheme) for scheme in schemes}
             traces[layout] = {} if args.trace is not None else None
-            results["layouts"][layout] = evaluate_layout(art, args.prompts, args.max_new_tokens, args.device,
-                                                         args.speculation.split(","), args.repeats, traces[layout],
-                                                         settings, args.compare_overlap)
+            results["layouts"][layout] = evaluate_layout(arts[schemes[0]], args.prompts, args.max_new_tokens,
+                                                         args.device, args.speculation.split(","), args.repeats,
+                                                         traces[layout], settings, args.compare_overlap,
+                                                         {s: arts[s] for s in schemes[1:]})
     if args.trace is not None:
         args.trace.write_text(json.dumps(traces) + "\n")
     table = _table(results)

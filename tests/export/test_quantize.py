@@ -213,11 +213,14 @@ def _export(out, *args):
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    """The tiny preset with its drafter: float, int8, and int4 (groups of 32) with the head quantized."""
+    """The tiny preset with its drafter: float, int8, int4 (groups of 32) with the head quantized, a float target
+    with an int4 drafter, and an int8 target with a float drafter."""
     root = tmp_path_factory.mktemp("quant")
     out = {}
     for name, args in (("float", []), ("int8", ["--weights", "int8"]),
-                       ("int4", ["--weights", "int4", "--group-size", "32", "--quantize-head"])):
+                       ("int4", ["--weights", "int4", "--group-size", "32", "--quantize-head"]),
+                       ("draft-int4", ["--draft-weights", "int4", "--group-size", "32"]),
+                       ("draft-float", ["--weights", "int8", "--draft-weights", "float"])):
         res = _export(root / name, "--draft-preset", "tiny", *args)
         assert res.exit_code == 0, res.output
         out[name] = root / name
@@ -304,6 +307,30 @@ def test_manifest_records_the_quantized_groups_and_weights_shrink(artifacts):
         C.GROUP_TARGET_LINEARS: ("int4", 32), C.GROUP_TARGET_HEAD: ("int4", 32), C.GROUP_DRAFT_LINEARS: ("int4", 32)}
     sizes = {n: (a / C.WEIGHTS_FILE).stat().st_size for n, a in artifacts.items()}
     assert sizes["int4"] < sizes["int8"] < 0.6 * sizes["float"]
+    draft_only = read_manifest(artifacts["draft-int4"] / C.MANIFEST_FILE)  # --draft-weights apart from --weights
+    assert [(w.group, w.scheme, w.group_size) for w in draft_only.weights] == [(C.GROUP_DRAFT_LINEARS, "int4", 32)]
+    target_only = read_manifest(artifacts["draft-float"] / C.MANIFEST_FILE)
+    assert [(w.group, w.scheme, w.group_size) for w in target_only.weights] == [
+        (C.GROUP_TARGET_LINEARS, "int8", None)]
+    assert sizes["int8"] < sizes["draft-float"] < sizes["float"] and sizes["draft-int4"] < sizes["float"]
+
+
+def test_a_quantized_drafter_leaves_the_output_alone(artifacts):
+    """A float target with an int4 drafter, on the CPU kernels: the drafter's methods call the quantized linear,
+    the target's forward none, and greedy DFlash (fixed blocks and adaptive) equals target-only exactly."""
+    art = load_artifact(artifacts["draft-int4"])
+    ops = {m: {o.split(".")[0] for o in art.program.info(m).operators} for m in ("forward", "draft_block")}
+    assert "mg::linear_int4" in ops["draft_block"] and not any(o.startswith("mg::linear_") for o in ops["forward"])
+    prompts = [tuple(range(5 + i, 17 + 2 * i)) for i in range(3)]
+
+    def tokens(config):
+        reqs = [Request(f"r{i}", p, 16, ignore_eos=True) for i, p in enumerate(prompts)]
+        return [r.tokens for r in Engine(art, config).run(reqs)]
+
+    plain = tokens(RunConfig(dflash=False))
+    assert all(len(t) == 16 for t in plain)
+    assert tokens(RunConfig(speculation="fixed")) == plain
+    assert tokens(RunConfig()) == plain
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
@@ -349,7 +376,11 @@ def test_manifest_weight_groups_are_checked():
 @pytest.mark.parametrize("args,message", [
     (["--weights", "int4"], "--group-size 128 does not divide the input width 64 of layers.0.attn.qkvg_proj"),
     (["--weights", "int3"], "--weights is 'int3'; allowed: float | int8 | int4"),
-    (["--weights", "int8", "--group-size", "32"], "--group-size applies to --weights int4 only"),
+    (["--weights", "int8", "--group-size", "32"], "--group-size applies to int4 weights only (--weights is int8"),
+    (["--draft-preset", "tiny", "--draft-weights", "int8", "--group-size", "32"],
+     "--group-size applies to int4 weights only (--weights is float, --draft-weights int8)"),
+    (["--draft-preset", "tiny", "--draft-weights", "int5"], "--draft-weights is 'int5'; allowed: float | int8 | int4"),
+    (["--draft-weights", "int4"], "--draft-weights applies to an export with a drafter; this one has none"),
     (["--weights", "int4", "--group-size", "48"], "--group-size is 48; allowed: 32 | 64 | 128 | 256"),
     (["--quantize-head"], "--quantize-head needs --weights int8 or int4"),
 ])
@@ -359,6 +390,15 @@ def test_bad_quantization_options_are_refused_in_one_line_writing_nothing(tmp_pa
     lines = res.output.strip().splitlines()
     assert lines[-1].startswith("mg-export: error: ") and message in lines[-1], res.output
     assert not (tmp_path / "out").exists() and not any(tmp_path.iterdir())
+
+
+def test_draft_weights_without_a_drafter_are_refused_by_the_export_api(tmp_path):
+    from mg.export.artifact import ExportError, ExportOptions, export_artifact, load_target
+
+    opts = ExportOptions(output_dir=tmp_path / "out", max_seqs=2, max_context=96, max_write=24, draft_weights="int8")
+    with pytest.raises(ExportError, match="--draft-weights applies to an export with a drafter"):
+        export_artifact(opts, load_target(None, "tiny"), lambda msg: None, None)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _calibration_text(path: Path) -> Path:
