@@ -2,7 +2,7 @@
 # All GPU checks and benchmarks in one go: CUDA tests (kernels, caches, sampling, CUDA graphs, engines), the
 # attention benchmarks (the target's decode attention, the drafter's block attention by split count), the
 # quantized-linear, few-rows float32 linear and decode benchmarks, the DFlash evaluation of the embedded default
-# on CUDA, the engine's per-step
+# on CUDA (and with int8 / int4 drafters: eval-drafters), the engine's per-step
 # profile (time, graph captures, host synchronisations), the host work of a plain step per engine (overlapped and not), a DFlash round's
 # calls kernel by kernel (drafter attention as the Triton kernel and as the torch reference; matrix products by
 # the few-rows kernel, row-invariant, and by cuBLAS), the real-width
@@ -11,7 +11,7 @@
 # namespace is mapped with links.
 #
 #   scripts/gpu_checks.sh                      # everything: tests attention draft-attention quant rows decode
-#                                              # eval profile host round real real-quant serve
+#                                              # eval eval-drafters profile host round real real-quant serve
 #   scripts/gpu_checks.sh tests eval           # only those steps, in that order
 #
 # `real` exports the first 16 layers of MG-30B at full width (~21 GB of weights, written under
@@ -31,7 +31,7 @@ for pkg in export runtime kernels manifests; do ln -s "$ROOT/$pkg" "$NS/mg/$pkg"
 export PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention draft-attention quant rows decode eval profile host round real real-quant serve)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention draft-attention quant rows decode eval eval-drafters profile host round real real-quant serve)
 status=0
 for step in "${steps[@]}"; do
     case "$step" in
@@ -45,6 +45,9 @@ for step in "${steps[@]}"; do
         eval) python3 scripts/eval_dflash.py --device cuda --compare-overlap --out "$OUT/eval_dflash_cuda.json" \
                   --trace "$OUT/eval_dflash_cuda_trace.json" 2>&1 \
                   | grep -v "Warning\|return cls" | tee "$OUT/eval_dflash_cuda.md" ;;
+        eval-drafters) python3 scripts/eval_dflash.py --device cuda --draft-weights float,int8,int4 \
+                  --speculation adaptive --layouts sequence --out "$OUT/eval_dflash_cuda_drafters.json" 2>&1 \
+                  | grep -v "Warning\|return cls" | tee "$OUT/eval_dflash_cuda_drafters.md" ;;
         profile) python3 scripts/profile_engine.py --device cuda --out "$OUT/profile_engine_cuda.json" \
                   --profile "$OUT/profiles" 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/profile_engine_cuda.md" ;;
         host) for o in on off; do
@@ -75,7 +78,7 @@ for step in "${steps[@]}"; do
               done ;;
         serve) python3 scripts/bench_serve.py --device cuda --out "$OUT/bench_serve_cuda.json" 2>&1 \
                   | tee "$OUT/bench_serve_cuda.md" ;;
-        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention draft-attention quant rows decode eval profile host round real real-quant serve" >&2; exit 2 ;;
+        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention draft-attention quant rows decode eval eval-drafters profile host round real real-quant serve" >&2; exit 2 ;;
     esac
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
