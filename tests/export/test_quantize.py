@@ -315,12 +315,8 @@ def test_manifest_records_the_quantized_groups_and_weights_shrink(artifacts):
     assert sizes["int8"] < sizes["draft-float"] < sizes["float"] and sizes["draft-int4"] < sizes["float"]
 
 
-def test_a_quantized_drafter_leaves_the_output_alone(artifacts):
-    """A float target with an int4 drafter, on the CPU kernels: the drafter's methods call the quantized linear,
-    the target's forward none, and greedy DFlash (fixed blocks and adaptive) equals target-only exactly."""
-    art = load_artifact(artifacts["draft-int4"])
-    ops = {m: {o.split(".")[0] for o in art.program.info(m).operators} for m in ("forward", "draft_block")}
-    assert "mg::linear_int4" in ops["draft_block"] and not any(o.startswith("mg::linear_") for o in ops["forward"])
+def _assert_dflash_equals_target_only(art) -> None:
+    """Three prompts x 16 tokens in one batch: greedy DFlash, fixed blocks and adaptive, equals target-only."""
     prompts = [tuple(range(5 + i, 17 + 2 * i)) for i in range(3)]
 
     def tokens(config):
@@ -331,6 +327,15 @@ def test_a_quantized_drafter_leaves_the_output_alone(artifacts):
     assert all(len(t) == 16 for t in plain)
     assert tokens(RunConfig(speculation="fixed")) == plain
     assert tokens(RunConfig()) == plain
+
+
+def test_a_quantized_drafter_leaves_the_output_alone(artifacts):
+    """A float target with an int4 drafter, on the CPU kernels: the drafter's methods call the quantized linear,
+    the target's forward none, and greedy DFlash (fixed blocks and adaptive) equals target-only exactly."""
+    art = load_artifact(artifacts["draft-int4"])
+    ops = {m: {o.split(".")[0] for o in art.program.info(m).operators} for m in ("forward", "draft_block")}
+    assert "mg::linear_int4" in ops["draft_block"] and not any(o.startswith("mg::linear_") for o in ops["forward"])
+    _assert_dflash_equals_target_only(art)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
@@ -341,16 +346,7 @@ def test_quantized_artifacts_generate_and_dflash_stays_lossless(artifacts, name,
     references = {"mg::linear_int8": quant.linear_int8_ref, "mg::linear_int4": quant.linear_int4_ref}
     monkeypatch.setattr(quant, "kernels", lambda device, int4_tensor_cores=False: references)
     art = load_artifact(artifacts[name])
-    prompts = [tuple(range(5 + i, 17 + 2 * i)) for i in range(3)]
-
-    def tokens(config):
-        reqs = [Request(f"r{i}", p, 16, ignore_eos=True) for i, p in enumerate(prompts)]
-        return [r.tokens for r in Engine(art, config).run(reqs)]
-
-    plain = tokens(RunConfig(dflash=False))
-    assert all(len(t) == 16 for t in plain)
-    assert tokens(RunConfig(speculation="fixed")) == plain
-    assert tokens(RunConfig()) == plain
+    _assert_dflash_equals_target_only(art)
 
 
 def test_manifest_weight_groups_are_checked():
