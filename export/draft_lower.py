@@ -61,8 +61,11 @@ class DraftBlockMethod(nn.Module):
 
     def forward(self, tokens, positions, seq_slots):
         rows = self.draft.block_rows(tokens, positions, seq_slots, self.model.tok_embeddings.weight,
-                                     torch.ops.mg.draft_attend.default)
-        return self.model.output(rows).float()  # the target's head module: a quantized one when the head is
+                                     torch.ops.mg.draft_attend.default)  # [B, T-1, dim], a slice of the block
+        # The target's head module (a quantized one when the head is) over all B * (T-1) rows as one 2-D product:
+        # on the 3-D slice, matmul would make a batched product that reads the head once per sequence.
+        logits = self.model.output(rows.reshape(-1, rows.shape[-1]))
+        return logits.view(rows.shape[0], rows.shape[1], -1).float()
 
 
 def draft_max_seqs(kv: KVSpec) -> int:

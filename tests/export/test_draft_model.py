@@ -268,6 +268,8 @@ def test_program_holds_target_and_draft_methods_with_their_ops(lowered):
     names = {p.name for p in program.execution_plan}
     assert {C.METHOD_FORWARD, C.METHOD_DRAFT_APPEND, C.METHOD_DRAFT_BLOCK, C.GET_BLOCK_SIZE} <= names
     assert op_calls(plan(program, C.METHOD_DRAFT_BLOCK), "mg::draft_attend") == LOWER_DRAFT.n_layers
+    # The head is one 2-D product over every sequence's rows, not a batched one that reads it once per sequence.
+    assert op_calls(plan(program, C.METHOD_DRAFT_BLOCK), "aten::bmm") == 0
 
 
 @pytest.mark.slow
