@@ -59,6 +59,15 @@ def test_int8_and_int4_round_trip_within_half_a_step():
     assert torch.equal(quant.unpack_int4(quant.pack_int4(values)), values)
 
 
+def test_int4_in_row_blocks_gives_the_bits_of_the_whole_weight(monkeypatch):
+    """On the CPU `quantize_int4` goes through a weight in blocks of rows; rows are independent, so the codes,
+    scales and zeros are the very ones of the whole weight at once (here blocks of 5 rows of 23)."""
+    monkeypatch.setattr(quant, "INT4_CPU_BLOCK_BYTES", 4 * 256 * 5)
+    w = torch.randn(23, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got, want = quant.quantize_int4(w, 32), quant._quantize_int4_rows(w, 32)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert [t.shape for t in got] == [(23, 128), (23, 8), (23, 8)]
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernels_match_the_references(dtype):
     tol = 2e-2  # the kernels compute in bfloat16 whatever the activations' dtype
