@@ -262,7 +262,7 @@ def _ptd_tensors(external: dict[str, tuple], sources: dict[str, WeightSource],
     return tensors
 
 
-def _weight_groups(plans: dict[str, dict], opts: ExportOptions, group_size: Optional[int],
+def _weight_groups(plans: dict[str, dict], opts: ExportOptions, group_size: int,
                    calibration_tokens: int = 0) -> tuple[WeightGroup, ...]:
     """The manifest's record of what was quantized: the target's layer linears and its head (--weights), the
     drafter's (--draft-weights); with `calibration_tokens`, the target's groups by GPTQ on that many tokens (the
@@ -279,8 +279,8 @@ def _weight_groups(plans: dict[str, dict], opts: ExportOptions, group_size: Opti
     def scheme(group: str) -> str:
         return draft_scheme(opts) if group == C.GROUP_DRAFT_LINEARS else opts.weights
 
-    return tuple(WeightGroup(group, scheme(group), group_size if scheme(group) == C.WEIGHTS_INT4 else None, n,
-                             **fit(group)) for group, n in counts.items() if n)
+    return tuple(WeightGroup(group, scheme(group), _group(scheme(group), group_size), n, **fit(group))
+                 for group, n in counts.items() if n)
 
 
 def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict],
@@ -309,7 +309,7 @@ def _calibrate(opts: ExportOptions, target: TargetSource, plans: dict[str, dict]
         raise ExportError(str(e)) from None
 
 
-def _quantize(opts: ExportOptions, model: MuseGlimmer, draft_model: Optional[DFlashDraft], group_size: Optional[int],
+def _quantize(opts: ExportOptions, model: MuseGlimmer, draft_model: Optional[DFlashDraft], group_size: int,
               dtype: str, progress: Progress) -> dict[str, dict]:
     """The (meta) models' linears replaced in place where --weights (target) and --draft-weights (drafter) ask
     for int8 | int4, before any lowering (a width the groups do not divide is refused at once); -> {source
@@ -363,8 +363,7 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
     if opts.draft_weights is not None and draft is None:
         raise ExportError("--draft-weights applies to an export with a drafter; this one has none (give "
                           "--draft-checkpoint or --draft-preset)")
-    int4 = C.WEIGHTS_INT4 in (opts.weights, draft_scheme(opts) if draft is not None else C.WEIGHTS_FLOAT)
-    group_size = (opts.group_size or DEFAULT_GROUP_SIZE) if int4 else None
+    group_size = opts.group_size or DEFAULT_GROUP_SIZE  # int4's: `_group` gives it to int4 parts only
     plans = _quantize(opts, model, draft_model, group_size, dtype, progress)
     stored = sum(p.numel() * p.element_size() for m in (model, draft_model) if m is not None for p in m.parameters())
     check_disk(_existing(Path(opts.output_dir).parent), stored)  # up front, before calibration and lowering
