@@ -1,6 +1,8 @@
 """CPU attention: the per-sequence kernels (`mg.kernels.cpu_attention`) against the torch references.
 
-Both KV layouts, fp32, the embedded default's heads (6 query heads, 2 KV heads, head_dim 64) by default.
+Both KV layouts, fp32, the embedded default's heads (6 query heads, 2 KV heads, head_dim 64) by default; each
+kernel by default (SDPA per sequence) and row-invariant (`row_invariant=True`: each row over its own keys in
+shapes fixed per row).
 Cases: decode steps (one row per sequence), DFlash verify blocks (16 rows per sequence), a prefill chunk
 mix; sequences of `--length` tokens in columns of `--rows` rows (cells: read span `--rows`). Per case the
 median of `--repeats` calls after a warm-up. Prints Markdown; `--out` writes JSON.
@@ -68,22 +70,28 @@ def main() -> None:
                                                                       0.1), args.repeats)
         row["sequence_cpu_ms"] = median_ms(lambda: attend_columns_cpu(q, k_store, v_store, positions, seq_slots, 0,
                                                                       0.1), args.repeats)
+        row["sequence_row_invariant_ms"] = median_ms(lambda: attend_columns_cpu(
+            q, k_store, v_store, positions, seq_slots, 0, 0.1, row_invariant=True), args.repeats)
         row["cell_ref_ms"] = median_ms(lambda: attend_cells_ref(q, k_pool, v_pool, table, positions, seq_slots, 0,
                                                                 0.1, rows), args.repeats)
         row["cell_cpu_ms"] = median_ms(lambda: attend_cells_cpu(q, k_pool, v_pool, table, positions, seq_slots, 0,
                                                                 0.1), args.repeats)
+        row["cell_row_invariant_ms"] = median_ms(lambda: attend_cells_cpu(
+            q, k_pool, v_pool, table, positions, seq_slots, 0, 0.1, row_invariant=True), args.repeats)
         results.append(row)
-        print(f"  {name}: sequence {row['sequence_ref_ms']:.2f} -> {row['sequence_cpu_ms']:.2f} ms, cell "
-              f"{row['cell_ref_ms']:.2f} -> {row['cell_cpu_ms']:.2f} ms", flush=True)
+        print(f"  {name}: sequence {row['sequence_ref_ms']:.2f} -> {row['sequence_cpu_ms']:.2f} ms (row-invariant "
+              f"{row['sequence_row_invariant_ms']:.2f}), cell {row['cell_ref_ms']:.2f} -> {row['cell_cpu_ms']:.2f} ms "
+              f"(row-invariant {row['cell_row_invariant_ms']:.2f})", flush=True)
     print(f"\n{hq} query heads, {hkv} KV heads, head_dim {d}; sequences of {length} tokens, {rows} column rows / "
           f"read span; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| case | queries | sequence: reference ms | sequence: per-sequence ms | speed-up | cell: reference ms "
-          "| cell: per-sequence ms | speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| case | queries | sequence: reference ms | sequence: per-sequence ms | speed-up | sequence: row-invariant "
+          "ms | cell: reference ms | cell: per-sequence ms | speed-up | cell: row-invariant ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['case']} | {r['queries']} | {r['sequence_ref_ms']:.2f} | {r['sequence_cpu_ms']:.2f} | "
-              f"{r['sequence_ref_ms'] / r['sequence_cpu_ms']:.1f}x | {r['cell_ref_ms']:.2f} | {r['cell_cpu_ms']:.2f} | "
-              f"{r['cell_ref_ms'] / r['cell_cpu_ms']:.1f}x |")
+              f"{r['sequence_ref_ms'] / r['sequence_cpu_ms']:.1f}x | {r['sequence_row_invariant_ms']:.2f} | "
+              f"{r['cell_ref_ms']:.2f} | {r['cell_cpu_ms']:.2f} | {r['cell_ref_ms'] / r['cell_cpu_ms']:.1f}x | "
+              f"{r['cell_row_invariant_ms']:.2f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),

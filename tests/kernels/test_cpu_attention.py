@@ -55,19 +55,23 @@ CASES = {
     "prefill-ring-wrap": dict(hq=6, hkv=2, d=16, lengths=(77, 30), n_new=(9, 5), window=20, ring=True),
     "window-not-ring": dict(hq=4, hkv=1, d=16, lengths=(61, 3), n_new=(5, 2), window=17, ring=False),
     "window-wider-than-sequence": dict(hq=4, hkv=2, d=16, lengths=(20, 30), n_new=(3, 1), window=64, ring=False),
+    "prompt-chunk-and-verify": dict(hq=6, hkv=2, d=16, lengths=(150, 71, 9), n_new=(40, 16, 1), window=0, ring=False),
+    "prompt-chunk-ring-wrap": dict(hq=6, hkv=2, d=16, lengths=(140, 40), n_new=(37, 3), window=30, ring=True),
 }
 
 
+@pytest.mark.parametrize("row_invariant", [False, True])
 @pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("name", CASES)
-def test_columns_and_cells_match_the_references_fp32(name, interleave):
+def test_columns_and_cells_match_the_references_fp32(name, interleave, row_invariant):
     q, pos, slots, ks, vs, kp, vp, table = _batch(**CASES[name], dtype=torch.float32, interleave=interleave)
     w = CASES[name]["window"]
     want = attend_columns_ref(q, ks, vs, pos, slots, w, SCALE)
-    torch.testing.assert_close(attend_columns_cpu(q, ks, vs, pos, slots, w, SCALE), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(attend_cells_cpu(q, kp, vp, table, pos, slots, w, SCALE),
-                               attend_cells_ref(q, kp, vp, table, pos, slots, w, SCALE), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(attend_cells_cpu(q, kp, vp, table, pos, slots, w, SCALE), want, rtol=1e-5, atol=1e-5)
+    got = attend_columns_cpu(q, ks, vs, pos, slots, w, SCALE, row_invariant)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cells = attend_cells_cpu(q, kp, vp, table, pos, slots, w, SCALE, row_invariant)
+    torch.testing.assert_close(cells, attend_cells_ref(q, kp, vp, table, pos, slots, w, SCALE), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cells, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["decode-gqa-ring-wrap", "verify-blocks-gqa-flat"])
@@ -87,6 +91,38 @@ def test_a_row_depends_only_on_its_own_sequence():
     mine = slots == 1
     alone = attend_columns_cpu(q[mine], ks, vs, pos[mine], slots[mine], 0, SCALE)
     assert torch.equal(full[mine], alone)
+
+
+@pytest.mark.parametrize("layout", ["columns", "cells"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, ring", [(0, False), (100, False), (24, True)])
+def test_row_invariant_rows_have_the_same_bits_alone_among_decode_rows_and_in_a_block(layout, dtype, window, ring):
+    """`row_invariant`, what makes greedy DFlash equal target-only on the CPU with bfloat16-rounding kernels: each
+    of 40 consecutive rows of one sequence (a verify block or prompt chunk, positions 30-69, across a span
+    bucket's edge) gets the bits it gets in a 1-row step alone and among other sequences' decode rows (before
+    and after it), and those decode rows the bits they get alone; all close to the reference."""
+    q, pos, slots, ks, vs, kp, vp, table = _batch(hq=6, hkv=2, d=32, lengths=(70, 13, 131), n_new=(40, 1, 1),
+                                                  window=window, ring=ring, dtype=dtype)
+
+    def attend(rows):
+        rows = torch.tensor(rows)
+        if layout == "columns":
+            return attend_columns_cpu(q[rows], ks, vs, pos[rows], slots[rows], window, SCALE, row_invariant=True)
+        return attend_cells_cpu(q[rows], kp, vp, table, pos[rows], slots[rows], window, SCALE, row_invariant=True)
+
+    block = attend(list(range(40)))
+    others = [40, 41]  # the other sequences' decode rows
+    decode = attend(others)
+    for i in range(40):
+        assert torch.equal(attend([i])[0], block[i]), f"row {i} alone"
+        among = attend([others[0], i, others[1]])
+        assert torch.equal(among[1], block[i]), f"row {i} among decode rows"
+        assert torch.equal(among[0], decode[0]) and torch.equal(among[2], decode[1])
+    assert torch.equal(attend([40])[0], decode[0]) and torch.equal(attend([41])[0], decode[1])
+    everything = attend(list(range(len(pos))))
+    want = attend_columns_ref(q, ks, vs, pos, slots, window, SCALE)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(everything.float(), want.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
