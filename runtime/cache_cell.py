@@ -113,7 +113,7 @@ class BatchedCellCache(KVCache):
         self._span_read = True
         if self.device.type == "cpu":  # per sequence, keys gathered once (reads the slots on the host)
             return attend_cells_cpu(q, k_pool, v_pool, self.cell_table, positions, seq_slots,
-                                    self._windows[layer_id], scale)
+                                    self._windows[layer_id], scale, self.row_invariant)
         return attend(q, k_pool, v_pool, self.cell_table, positions, seq_slots, self._windows[layer_id], scale,
                       self.read_span)
 

@@ -100,11 +100,12 @@ class BatchedSequenceCache(KVCache):
     def update_and_attend(self, q, k, v, positions, seq_slots, layer_id: int, scale: float) -> torch.Tensor:
         self.write(k, v, positions, seq_slots, layer_id)
         k_store, v_store = self._k[layer_id], self._v[layer_id]
+        window = self._windows[layer_id]
         if self.use_triton:
-            attend = triton_attention.attend_columns_triton
-        else:  # on CPU per sequence, keys gathered once (reads the slots on the host); else the reference
-            attend = attend_columns_cpu if self.device.type == "cpu" else attend_columns_ref
-        return attend(q, k_store, v_store, positions, seq_slots, self._windows[layer_id], scale)
+            return triton_attention.attend_columns_triton(q, k_store, v_store, positions, seq_slots, window, scale)
+        if self.device.type == "cpu":  # per sequence (reads the slots on the host), `row_invariant` decode and verify rows
+            return attend_columns_cpu(q, k_store, v_store, positions, seq_slots, window, scale, self.row_invariant)
+        return attend_columns_ref(q, k_store, v_store, positions, seq_slots, window, scale)
 
     # ------------------------------------------------------------------ hooks
 

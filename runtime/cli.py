@@ -93,7 +93,10 @@ _ENGINE_OPTIONS = [
                       "weight's shape only, so a row's products are the same bits whatever rows share its step "
                       "(with cuBLAS, greedy DFlash of a bfloat16 artifact equals target-only only up to "
                       "rounding). Slower: a float32 decode step of the embedded default takes 2.8x as long on "
-                      "an H100, bfloat16 at MG-30B width 1.03x at one row. Changes nothing elsewhere."),
+                      "an H100, bfloat16 at MG-30B width 1.03x at one row. On the CPU: attention whose bits for "
+                      "a row do not depend on the step's other rows, so with --weights int8/int4 artifacts "
+                      "greedy DFlash equals target-only and batched equals alone (without it a few prompts in 20 "
+                      "differ); 10-35% slower steps on the embedded default."),
     click.option("--rows-kernel", is_flag=True,
                  help="With --device cuda: float32 matrix products of 1-16 rows (decode steps, DFlash verifies and "
                       "drafts) by a Triton multiply-add kernel instead of cuBLAS (on an H100: rounds and batches "

@@ -56,7 +56,11 @@ class RunConfig:
     shape only, so a row's products are the same bits in a 1-row step, a 16-row DFlash verify or a batch (with
     cuBLAS they are not: greedy DFlash of a bfloat16 artifact equals target-only only up to rounding); compiled
     methods then keep only their symbolic variant, so 1-row calls run the same fused code as longer ones. Off:
-    torch's `mm`. Changes nothing on CPU. rows_kernel: on CUDA (and without row_invariant, which takes
+    torch's `mm`. On CPU: the attention of decode rows, verify blocks and prompt chunks row-invariant
+    (`mg.kernels.cpu_attention`): with int8/int4 artifacts (torch's packed kernels, row-invariant but rounding
+    to bfloat16) greedy DFlash then equals target-only and a batch its prompts alone, at 10-35% more time per
+    step on the embedded default (BENCHMARKS.md); float32 linears stay torch's `mm`, whose bits depend on the
+    call's rows. rows_kernel: on CUDA (and without row_invariant, which takes
     precedence), the methods' float32 matrix products of 1-16 rows (decode steps of up to 16 sequences, DFlash
     verifies and draft blocks) run as `mg::rows_mm` (`mg.kernels.linear`): multiply-adds on CUDA cores in IEEE
     float32 with a launch set by the weight's shape. On an H100, with the weights in L2, it was faster than
@@ -140,6 +144,11 @@ class RunConfig:
     def row_invariant_mm(self) -> bool:
         """Serve the program's `aten::mm` with `mg::row_mm`?"""
         return self.row_invariant and self.on_cuda
+
+    @property
+    def row_invariant_attention(self) -> bool:
+        """Attend decode rows and verify blocks row-invariantly on the CPU (`mg.kernels.cpu_attention`)?"""
+        return self.row_invariant and not self.on_cuda
 
     @property
     def rows_mm(self) -> bool:

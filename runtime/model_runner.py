@@ -178,6 +178,7 @@ class ModelRunner:
         self.cache = make_cache(kv, self.device, config.n_slots if config.n_slots is not None else kv.max_active_seqs)
         if config.use_triton is not None:
             self.cache.use_triton = triton_enabled(self.device, config.use_triton)
+        self.cache.row_invariant = config.row_invariant_attention  # the CPU read side (mg.kernels.cpu_attention)
         self.counters = GraphCounters()
         self.ops: dict[str, Callable] = {_qualified(mg_ops.UPDATE_AND_ATTEND): self.cache.update_and_attend,
                                          **quant.kernels(self.device, config.int4_tensor_cores)}

@@ -530,9 +530,10 @@ def _program_key(runner: ModelRunner) -> str:
 def cost_key(program: str, device: torch.device, cfg: RunConfig, use_triton: Optional[bool], blocks: tuple) -> tuple:
     """What measured cost tables depend on: the program, the device and every setting that changes what a
     method call runs (graphs, padding, compiled code, attention kernels, BLAS library, the drafter's precision,
-    the kernels of quantized and float linears) and the fused rounds' blocks."""
+    the kernels of quantized and float linears, the CPU attention's) and the fused rounds' blocks."""
     return (program, str(device), cfg.graphs, cfg.padded, cfg.compiled, use_triton, cfg.prefer_cublaslt,
-            cfg.drafter_tf32, cfg.int4_tensor_cores, cfg.row_invariant_mm, cfg.rows_mm, blocks)
+            cfg.drafter_tf32, cfg.int4_tensor_cores, cfg.row_invariant_mm, cfg.rows_mm,
+            cfg.row_invariant_attention, blocks)
 
 
 def _tables_path(key: tuple, device: torch.device) -> Path:

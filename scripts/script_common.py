@@ -36,8 +36,8 @@ def add_matmul_args(p: argparse.ArgumentParser) -> None:
     """`--row-invariant on|off` and `--rows-kernel on|off`: what serves the float matrix products of the script's
     engines (`matmul_settings`)."""
     p.add_argument("--row-invariant", default="off", choices=["on", "off"],
-                   help="float matrix products by the row-invariant Triton linear on CUDA (RunConfig.row_invariant) "
-                        "[default: off]")
+                   help="RunConfig.row_invariant: float matrix products by the row-invariant Triton linear on CUDA; "
+                        "row-invariant attention on the CPU [default: off]")
     p.add_argument("--rows-kernel", default="off", choices=["on", "off"],
                    help="float32 products of 1-16 rows by the Triton multiply-add kernel on CUDA "
                         "(RunConfig.rows_kernel) [default: off]")

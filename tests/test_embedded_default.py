@@ -77,3 +77,31 @@ def test_dflash_is_lossless_and_accepts_what_the_training_report_predicts(embedd
     n = len(sim["accepted_hist"])
     assert hist[:n] == sim["accepted_hist"] and not any(hist[n:])
     assert sim["acceptance_length_mean"] > 1.5  # a trained pair: drafts are accepted, not noise
+
+
+@pytest.mark.slow
+def test_row_invariant_cpu_serving_makes_int8_dflash_and_batches_exact(tmp_path):
+    """`RunConfig.row_invariant` on the CPU: with int8 weights (torch's packed kernels round their inputs to
+    bfloat16, so any last-bit difference of a row becomes visible), greedy DFlash with full blocks equals
+    target-only and a batch equals its prompts alone, on held-out prompts where per-call attention made them
+    differ (email/contentmanager.py and multiprocessing/connection.py with fixed blocks, importlib/_abc.py
+    batched; docs BENCHMARKS.md, "row-invariant CPU attention")."""
+    target_dir, draft_dir = default_checkpoints()
+    target = load_target(target_dir, None)
+    draft = load_draft(draft_dir, None, target.cfg)
+    out = tmp_path / "int8"
+    export_artifact(ExportOptions(output_dir=out, layout="sequence", max_seqs=8, max_context=1024, max_write=128,
+                                  weights="int8"), target, lambda msg: None, draft)
+    art = load_artifact(out)
+    codec = TextCodec(art.tokenizer_path, art.manifest.model.bos_id)
+    rows = [json.loads(line) for line in (ROOT / "tests/data/heldout_prompts.jsonl").read_text().splitlines()]
+    wanted = ("email/contentmanager.py", "multiprocessing/connection.py", "importlib/_abc.py", "copyreg.py")
+    reqs = [Request(r["id"], tuple(codec.encode(r["prompt"])), 64) for r in rows if r["id"] in wanted]
+    assert len(reqs) == len(wanted)
+    plain, fixed = RunConfig(dflash=False, row_invariant=True), RunConfig(speculation="fixed", row_invariant=True)
+    alone = {r.id: Engine(art, plain).run([r])[0].tokens for r in reqs}
+    for r in reqs:
+        assert Engine(art, fixed).run([r])[0].tokens == alone[r.id], f"{r.id}: DFlash differs from target-only"
+    for config in (plain, fixed):
+        batched = {x.id: x.tokens for x in Engine(art, config).run(reqs)}
+        assert batched == alone, f"batched differs from alone ({'DFlash' if config.dflash else 'target-only'})"

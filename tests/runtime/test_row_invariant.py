@@ -2,7 +2,9 @@
 rows sharing its call.
 
 CPU: a caller's op table serves the program's `aten::mm` (and only where it has an entry), and the compiled
-methods' trace calls the served op. CUDA (skipped without a device): for float32 and bfloat16 artifacts, with
+methods' trace calls the served op; the setting makes the CPU attention row-invariant, so with every linear
+quantized (torch's packed kernels, row-invariant themselves) a row's logits are the same bits alone and in a
+verify, where the default attention gives them other last bits. CUDA (skipped without a device): for float32 and bfloat16 artifacts, with
 the methods interpreted or compiled, under CUDA graphs, the target's logits of a sequence's next row are the
 same bits in a 1-row step as the first row of a 16-row DFlash verify, with rows of another sequence before it,
 and greedy DFlash equals target-only on the bfloat16 artifact.
@@ -74,6 +76,35 @@ def test_row_mm_is_torch_mm_off_cuda():
     a, b = torch.randn(5, 64), torch.randn(32, 64)
     assert not linear.serves(a, b.T)
     assert torch.equal(linear.op()(a, b.T), torch.mm(a, b.T))
+
+
+@pytest.fixture(scope="module")
+def int4_head_artifact(tmp_path_factory):
+    """Every linear int4, the output head too: no float32 product left in the target's forward."""
+    return _export(tmp_path_factory.mktemp("rowinv") / "int4", layout="sequence", max_seqs=3, max_context=96,
+                   max_write=24, weights="int4", group_size=32, quantize_head=True)
+
+
+def test_on_the_cpu_the_setting_makes_a_rows_logits_the_same_bits_alone_and_in_a_verify(int4_head_artifact):
+    """Rows at positions 56-71 (across the attention's 64-key padding edge), alone, as the first row of 16, 8 and
+    2, with rows of another sequence before them; the default attention's logits within bfloat16 rounding of them."""
+    art = load_artifact(int4_head_artifact)
+    context = [5 + (7 * i) % 200 for i in range(56)]
+    logits = {}
+    for invariant in (False, True):
+        runner = ModelRunner(art, RunConfig(row_invariant=invariant), with_draft=False)
+        assert runner.cache.row_invariant is invariant and MM not in runner.ops  # products stay torch's
+        for lo, hi in ((0, 20), (20, 40), (40, 56)):
+            runner.call(C.METHOD_FORWARD, _forward_inputs(context[lo:hi], list(range(lo, hi)), [0] * (hi - lo)),
+                        [hi - lo, hi - lo])
+        runner.call(C.METHOD_FORWARD, _forward_inputs(context[:4], list(range(4)), [1] * 4), [4, 4])
+        logits[invariant] = [_next_row_logits(runner, context, 42, rows, other)
+                             for rows, other in ((1, 0), (16, 0), (8, 3), (2, 1))]
+    alone, *others = logits[True]
+    for got in others:
+        assert torch.equal(got, alone), (got - alone).abs().max().item()
+    for got in logits[False]:  # the same function; its last bits, rounded to bfloat16 by the next linear, differ
+        torch.testing.assert_close(got, alone, rtol=0, atol=0.05)
 
 
 # ------------------------------------------------------------------ CUDA

@@ -718,6 +718,9 @@ def test_cost_tables_are_keyed_by_every_setting_that_changes_a_calls_kernels():
         keys.add(spec_module.cost_key("p", cuda, RunConfig(**{"device": "cuda", **changed}), True, (16,)))
     keys |= {spec_module.cost_key("p", cuda, base, False, (16,)), spec_module.cost_key("p", cuda, base, True, (8,))}
     assert len(keys) == len(settings) + 3
+    cpu = torch.device("cpu")  # on the CPU the setting changes the attention, not the products
+    assert spec_module.cost_key("p", cpu, RunConfig(), None, (16,)) != spec_module.cost_key(
+        "p", cpu, RunConfig(row_invariant=True), None, (16,))
 
 
 def test_waiting_rows_one_row_commits_land_in_the_buffer_after_it_grows():
