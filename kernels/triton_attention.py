@@ -307,13 +307,15 @@ def _check_draft_side(q, k_blk, v_blk, positions, seq_slots, kv, kv_name: str) -
 
 
 def plan_draft_splits(batch: int, n_kv_heads: int, span: int, sms: int) -> int:
-    """Split count of the drafter's block attention, from shapes only: `DRAFT_TARGET_WAVES` programs per SM
-    over (block, KV head, split), at least `MIN_DRAFT_KEYS_PER_SPLIT` keys of the static span per split, at most
-    `MAX_SPLITS`. On the device each split gets whole tiles of the actual context, so a short context
-    leaves the trailing splits empty rather than tiny (an empty split reads no key and writes only its rows'
-    log2-sum-exp)."""
+    """Split count of the drafter's block attention, from shapes only: as many as keep the programs over
+    (block, KV head, split) within `DRAFT_TARGET_WAVES` per SM (a split that starts a further wave costs more
+    than its keys save: at MG-30B's drafter shape, 8 blocks on an H100, 3 splits took 38.8 us at 1024 keys and
+    23.8 at 128 against 32.7 and 15.7 for 2; BENCHMARKS.md), at least `MIN_DRAFT_KEYS_PER_SPLIT` keys of the
+    static span per split, at most `MAX_SPLITS`. On the device each split gets whole tiles of the actual
+    context, so a short context leaves the trailing splits empty rather than tiny (an empty split reads no key
+    and writes only its rows' log2-sum-exp)."""
     by_span = max(1, _cdiv(span, MIN_DRAFT_KEYS_PER_SPLIT))
-    return max(1, min(_cdiv(DRAFT_TARGET_WAVES * sms, max(1, batch * n_kv_heads)), by_span, MAX_SPLITS))
+    return max(1, min(DRAFT_TARGET_WAVES * sms // max(1, batch * n_kv_heads), by_span, MAX_SPLITS))
 
 
 def draft_meta(t: int, group: int, head_dim: int, dtype: torch.dtype, num_splits: int, is_cell: bool, tf32: bool,

@@ -151,7 +151,9 @@ def test_plan_draft_splits_fills_the_device_without_cutting_the_span_below_the_m
     sms = 132
     assert ta.plan_draft_splits(1, 2, 1024, sms) == 1024 // ta.MIN_DRAFT_KEYS_PER_SPLIT  # the span limits it
     assert ta.plan_draft_splits(1, 2, 64, sms) == 1                                     # a short span: one split
-    assert ta.plan_draft_splits(8, 4, 1 << 20, sms) == -(-ta.DRAFT_TARGET_WAVES * sms // 32)  # the device does
+    assert ta.plan_draft_splits(8, 4, 1 << 20, sms) == ta.DRAFT_TARGET_WAVES * sms // 32  # the device does
+    assert ta.plan_draft_splits(8, 8, 1 << 20, sms) == 2  # 128 programs: a third split would start a second wave
+    assert ta.plan_draft_splits(1, 8, 1 << 20, sms) == 16
     assert ta.plan_draft_splits(1, 1, 1 << 30, sms) == ta.MAX_SPLITS
     assert ta.plan_draft_splits(256, 8, 1 << 20, sms) == 1                              # already many programs
 
