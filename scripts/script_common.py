@@ -49,7 +49,9 @@ def matmul_settings(args: argparse.Namespace) -> dict:
 
 
 def matmul_name(config) -> str:
-    """What serves a `RunConfig`'s float matrix products, for tables."""
+    """What serves a `RunConfig`'s float matrix products (on the CPU: its attention), for tables."""
+    if config.row_invariant_attention:
+        return "row-invariant attention"
     return "row-invariant" if config.row_invariant_mm else "rows kernel" if config.rows_mm else "torch"
 
 
