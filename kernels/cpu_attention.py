@@ -127,9 +127,9 @@ def _attend_singles(q: torch.Tensor, positions: torch.Tensor, seq_slots: torch.T
 
 def _attend_block(q: torch.Tensor, positions: torch.Tensor, slot: int, window: int, scale: float,
                   keys) -> torch.Tensor:
-    """Rows of one sequence at consecutive ascending positions (a verify block), row-invariant like
-    `_attend_singles`: the block's keys gathered once newest first, row i's span a strided view starting i
-    keys after the newest row's. -> [T, Hq, D] (fp32)."""
+    """Rows of one sequence at consecutive ascending positions (a verify block or a prompt chunk), row-invariant
+    like `_attend_singles`: the block's keys gathered once newest first, row i (newest first) reading its span as a
+    strided view that starts i keys after the newest row's. -> [T, Hq, D] (fp32)."""
     n = q.shape[0]
     hi = int(positions[-1])
     spans = _spans(positions, window).flip(0)  # newest row first
