@@ -347,6 +347,9 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
     """Export `target` (and its DFlash `draft`) under `opts` into `opts.output_dir`; nothing is left
     behind on failure."""
     check_options(opts)
+    if opts.draft_weights is not None and draft is None:
+        raise ExportError("--draft-weights applies to an export with a drafter; this one has none (give "
+                          "--draft-checkpoint or --draft-preset)")
     t0 = time.perf_counter()
     cfg = target.cfg
     dtype = opts.dtype or cfg.dtype
@@ -360,9 +363,6 @@ def export_artifact(opts: ExportOptions, target: TargetSource, progress: Progres
     progress(f"model {target.name}: {cfg.n_layers} layers ({len(kv.ring_layers)} ring, "
              f"{cfg.n_layers - len(kv.ring_layers)} flat), dim {cfg.dim}, vocab {cfg.vocab_size}, "
              f"{cfg.n_params() / 1e9:.3f}B parameters, {dtype}, weights from {target.weights.description}")
-    if opts.draft_weights is not None and draft is None:
-        raise ExportError("--draft-weights applies to an export with a drafter; this one has none (give "
-                          "--draft-checkpoint or --draft-preset)")
     group_size = opts.group_size or DEFAULT_GROUP_SIZE  # int4's: `_group` gives it to int4 parts only
     plans = _quantize(opts, model, draft_model, group_size, dtype, progress)
     stored = sum(p.numel() * p.element_size() for m in (model, draft_model) if m is not None for p in m.parameters())

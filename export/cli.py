@@ -47,8 +47,9 @@ def _progress():
               help="Tokens written per step, all sequences together.")
 @click.option("--dtype", type=str, default=None, metavar="float32|bfloat16", help="[default: the checkpoint's]")
 @click.option("--weights", type=str, default=C.WEIGHTS_FLOAT, show_default=True, metavar="float|int8|int4",
-              help="Linear layers (target, and drafter unless --draft-weights): float (stored in --dtype) | int8 (per output channel) | "
-                   "int4 (groups of --group-size input columns, with zero points). Embeddings stay float.")
+              help="Linear layers (target, and drafter unless --draft-weights): float (stored in --dtype) | int8 "
+                   "(per output channel) | int4 (groups of --group-size input columns, with zero points). "
+                   "Embeddings stay float.")
 @click.option("--draft-weights", type=str, default=None, metavar="float|int8|int4",
               help="The drafter's linear layers, apart from the target's: its drafts are only proposals the target "
                    "verifies, so this moves acceptance and speed, never the output. [default: as --weights]")
@@ -90,9 +91,6 @@ def main(checkpoint, preset, n_layers, draft_checkpoint, draft_preset, layout, m
         _die(f"--draft-preset {draft_preset} without --checkpoint or --preset would pair the trained embedded "
              f"target with a random-weight drafter; give --preset NAME (random target too) or --draft-checkpoint "
              f"DIR")
-    if draft_weights is not None and not embedded and draft_checkpoint is None and draft_preset is None:
-        _die("--draft-weights applies to an export with a drafter; this one has none (give --draft-checkpoint or "
-             "--draft-preset)")
     if layout == C.LAYOUT_SEQUENCE and max_seqs is None and max_cells is None:
         max_seqs = 8
     if layout == C.LAYOUT_CELL and max_cells is None and max_seqs is None:
