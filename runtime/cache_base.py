@@ -69,7 +69,7 @@ class KVCache(abc.ABC):
         self.capacity = spec.capacity
         self.max_write = spec.max_write
         self._length = [0] * (n_slots + 1)  # the committed lengths; the scratch slot stays 0
-        # CPU read side: decode rows and verify blocks row-invariant (`mg.kernels.cpu_attention`); the model
+        # CPU read side: every row's attention row-invariant (`mg.kernels.cpu_attention`); the model
         # runner sets it from RunConfig.row_invariant.
         self.row_invariant = False
         self._growths = 0

@@ -103,7 +103,7 @@ class BatchedSequenceCache(KVCache):
         window = self._windows[layer_id]
         if self.use_triton:
             return triton_attention.attend_columns_triton(q, k_store, v_store, positions, seq_slots, window, scale)
-        if self.device.type == "cpu":  # per sequence (reads the slots on the host), `row_invariant` decode and verify rows
+        if self.device.type == "cpu":  # per sequence (reads the slots on the host); `row_invariant`: alike in any call
             return attend_columns_cpu(q, k_store, v_store, positions, seq_slots, window, scale, self.row_invariant)
         return attend_columns_ref(q, k_store, v_store, positions, seq_slots, window, scale)
 

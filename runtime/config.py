@@ -147,7 +147,7 @@ class RunConfig:
 
     @property
     def row_invariant_attention(self) -> bool:
-        """Attend decode rows and verify blocks row-invariantly on the CPU (`mg.kernels.cpu_attention`)?"""
+        """Attend every row row-invariantly on the CPU (`mg.kernels.cpu_attention`)?"""
         return self.row_invariant and not self.on_cuda
 
     @property
