@@ -551,6 +551,26 @@ def test_host_work_is_the_median_of_recent_steps_per_kind_and_batch():
     assert costs.residual(PLAIN, 1) == 0.5 and costs.residual(FUSED, 20) == 3.0
 
 
+def test_host_work_window_median_equals_the_median_of_its_values():
+    """`_Window` keeps its median as values come and go (a sorted copy): the same number as the median of the
+    last `size` values taken after the reading asked for, with readings that never decrease."""
+    import random
+    import statistics
+
+    rng = random.Random(7)
+    for size in (1, 2, 5, 33):
+        window, values, after = spec_module._Window(size), [], 0
+        for reading in range(1, 400):
+            value = rng.choice([rng.uniform(-1.0, 1.0), 0.25, -0.5])  # repeats too: removal must find one
+            window.append(value, reading)
+            values = (values + [(reading, value)])[-size:]
+            if rng.random() < 0.3:
+                after = max(after, reading - rng.randint(0, 2 * size))
+            counted = [v for r, v in values if r > after]
+            assert window.median(after) == (len(counted), statistics.median(counted) if counted else 0.0)
+            assert len(window) == len([1 for r, _ in values if r > after])
+
+
 def test_a_stall_of_plain_steps_prices_nothing():
     """A plain step timed at more than STALL_RATIO times a plain step's price (prediction + the window's median)
     is no sample: the machine stalled, and rounds, not timed meanwhile, would keep their price while plain
@@ -744,6 +764,36 @@ def test_waiting_rows_one_row_commits_land_in_the_buffer_after_it_grows():
         wr.put(row(v), [0], [(0, 1)])
     assert wr.take([0]).tolist() == [[float(v), -float(v)] for v in (3, 4, 5, 6)]
     assert wr.take([regions]).tolist() == [[100.0 + regions, -100.0 - regions]]
+
+
+def test_waiting_rows_reserve_one_each_is_reserve_of_one_row_each():
+    """A plain step's reservation (`reserve_one_each`, region bases kept per slot) names the rows `reserve` names
+    for one row of each slot, through the buffer's growth and releases that free regions for other slots; a slot
+    with a full share raises naming it and leaves every count as it was."""
+    from mg.runtime.speculative import WaitingRows
+
+    n_slots, rows = 20, 5
+    fast = WaitingRows(n_slots, rows, 2, torch.float32, torch.device("cpu"))
+    ref = WaitingRows(n_slots, rows, 2, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    for step in range(120):
+        slots = torch.randperm(n_slots, generator=g)[:int(torch.randint(1, n_slots + 1, (1,), generator=g))].tolist()
+        slots = [s for s in slots if ref.count[s] < rows]
+        assert fast.reserve_one_each(slots) == ref.reserve([(s, 1) for s in slots])
+        assert fast.count == ref.count
+        if step % 4 == 0:
+            for s in torch.randperm(n_slots, generator=g)[:3].tolist():
+                fast.drop(s)
+                ref.drop(s)
+    assert fast.regions == ref.regions > WaitingRows.START_REGIONS
+    while fast.count[0] < rows:  # slot 0's share full; slot 1 empty
+        fast.reserve_one_each([0])
+    fast.drop(1)
+    full, other = 0, 1
+    before = list(fast.count)
+    with pytest.raises(RuntimeError, match=f"slot {full} has {rows} context rows waiting"):
+        fast.reserve_one_each([other, full])
+    assert fast.count == before
 
 
 def test_waiting_rows_keep_each_slots_rows_in_order_through_growth_and_release():
