@@ -46,6 +46,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from mg.kernels.triton_argmax import argmax_last
 from mg.manifests import constants as C
 
 from .artifact import Artifact
@@ -288,7 +289,7 @@ class Engine:
         """Leave a greedy plain step in flight: each sequence's token is its row's argmax, on the device, and its
         copy to the host is queued; the step's token-independent bookkeeping is done now."""
         b = len(decode)
-        tokens = (logits if logits.shape[0] == b else logits.narrow(0, 0, b)).argmax(dim=-1)
+        tokens = argmax_last(logits if logits.shape[0] == b else logits.narrow(0, 0, b))
         ready = None
         host = tokens
         if tokens.device.type == "cuda":  # two pinned buffers, alternating: the chained step's and this one's
@@ -339,7 +340,7 @@ class Engine:
         if width == 1 and groups[-1][1] == b - 1 and sampling.all_greedy:
             # Greedy with no drafts (a plain step): group i's logits are row i, and acceptance is its argmax.
             # Two calls instead of about fifteen: on a GPU serving a small model the host's calls are the step.
-            tokens = (logits if logits.shape[0] == b else logits.narrow(0, 0, b)).argmax(dim=-1).tolist()
+            tokens = argmax_last(logits if logits.shape[0] == b else logits.narrow(0, 0, b)).tolist()
             return [0] * b, [[t] for t in tokens]
         # Logits rows of each group (its last row repeated up to the width), drafts per group and output
         # counters: one host-to-device copy, which never waits for the device.

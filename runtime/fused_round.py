@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 
+from mg.kernels.triton_argmax import argmax_last
 from mg.manifests import constants as C
 
 from .cuda_graphs import GraphRunner, bucket_for, buckets
@@ -157,7 +158,7 @@ class FusedRound:
         """Argmax drafts [b, t - 1] of the blocks [pending, mask, ...] at `positions` [b, t] of draft `slots`."""
         blk = torch.cat([pending[:, None], torch.full((pending.shape[0], self.t - 1), self.runner.mask_token,
                                                       dtype=torch.long, device=pending.device)], 1)
-        return self.runner.run_method(C.METHOD_DRAFT_BLOCK, [blk, positions, slots])[0].argmax(dim=-1)
+        return argmax_last(self.runner.run_method(C.METHOD_DRAFT_BLOCK, [blk, positions, slots])[0])
 
     def _greedy_batch(self, b: int, device: torch.device) -> SamplingBatch:
         if b not in self._greedy:

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from mg.kernels.triton_argmax import argmax_last
+
 STREAM_TARGET = 0  # draws target tokens: plain sampling, correction and bonus tokens
 STREAM_ACCEPT = 1  # the uniform that accepts or rejects a draft token
 
@@ -198,7 +200,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counters: torch.Tensor,
     int64. Row t of request b is output position counters[b] + t; the caller advances counters
     by the number of tokens it keeps."""
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return argmax_last(logits)
     probs = target_probs(logits, batch)
     noise = exponential_noise(batch.seed, token_positions(counters, logits.shape[1]), stream, logits.shape[-1])
     return exponential_race(probs, noise)

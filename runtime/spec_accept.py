@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mg.kernels.triton_argmax import argmax_last
 from mg.runtime.sampling import (
     STREAM_ACCEPT,
     STREAM_TARGET,
@@ -57,7 +58,7 @@ def accept(draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Ten
     _check_shapes(draft, q, target_logits, n_draft, counters)
     valid = torch.arange(draft.shape[1], device=draft.device) < n_draft[:, None]  # [B, K]
     draft = torch.where(valid, draft, 0)  # keep padded drafts inside the vocabulary for gathers
-    target_tokens = target_logits.argmax(dim=-1)  # [B, K+1]
+    target_tokens = argmax_last(target_logits)  # [B, K+1]
     greedy_ok = (target_tokens[:, :-1] == draft) & valid
     if batch.all_greedy:
         n_accepted = _prefix_len(greedy_ok)

@@ -86,6 +86,7 @@ from typing import Optional, Protocol
 import torch
 
 import mg.kernels as mg_kernels
+from mg.kernels.triton_argmax import argmax_last
 from mg.manifests import constants as C
 from mg.manifests.values import cache_root, write_cache_file
 
@@ -153,7 +154,7 @@ class DraftModelProposer:
         positions = anchors[:, None] + torch.arange(t)[None, :]
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
         logits = self.runner.draft_block(tokens, positions, slots)
-        return logits.argmax(dim=-1)  # [B, T-1], left on the device
+        return argmax_last(logits)  # [B, T-1], left on the device
 
 
 class AcceptanceModel:

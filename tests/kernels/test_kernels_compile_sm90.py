@@ -93,3 +93,13 @@ def test_attention_compiles_for_sm90_within_its_shared_memory(case, tmp_path, mo
     kernel = _compile(jit._attend_kernel, ta.attend_meta(plan, hq // hkv, d, dtype, cell), pointers, tmp_path,
                       monkeypatch)
     assert kernel.metadata.shared <= SM90_SHARED_BYTES, (plan, kernel.metadata.shared)
+
+
+@pytest.mark.parametrize("n", [4096, 1000, 32768])  # the embedded default's vocabulary, a masked tile, the widest
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_compiles_for_sm90(n, dtype, tmp_path, monkeypatch):
+    from mg.kernels import triton_argmax, triton_argmax_jit as jit
+
+    compiled = _compile(jit._argmax_rows_kernel, triton_argmax.argmax_meta(n),
+                        {"x_ptr": _dtype_name(dtype), "out_ptr": "i64"}, tmp_path, monkeypatch)
+    assert compiled.metadata.shared <= SM90_SHARED_BYTES
