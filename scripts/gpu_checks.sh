@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one go: CUDA tests (kernels, caches, sampling, CUDA graphs, engines), the
 # attention benchmarks (the target's decode attention, the drafter's block attention by split count), the
-# quantized-linear, few-rows float32 linear and decode benchmarks, the DFlash evaluation of the embedded default
+# quantized-linear, few-rows float32 linear, greedy-token (argmax) and decode benchmarks, the DFlash evaluation of the embedded default
 # on CUDA (and with int8 / int4 drafters: eval-drafters), the engine's per-step
 # profile (time, graph captures, host synchronisations), the host work of a plain step per engine (overlapped and not), a DFlash round's
 # calls kernel by kernel (drafter attention as the Triton kernel and as the torch reference; matrix products by
@@ -10,7 +10,7 @@
 # JSON, Markdown tables) go to ${OUT:-gpu-results}. Works from a source checkout without installing: the mg.*
 # namespace is mapped with links.
 #
-#   scripts/gpu_checks.sh                      # everything: tests attention draft-attention quant rows decode
+#   scripts/gpu_checks.sh                      # everything: tests attention draft-attention quant rows argmax decode
 #                                              # eval eval-drafters profile host round real real-quant serve
 #   scripts/gpu_checks.sh tests eval           # only those steps, in that order
 #
@@ -31,7 +31,7 @@ for pkg in export runtime kernels manifests; do ln -s "$ROOT/$pkg" "$NS/mg/$pkg"
 export PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention draft-attention quant rows decode eval eval-drafters profile host round real real-quant serve)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention draft-attention quant rows argmax decode eval eval-drafters profile host round real real-quant serve)
 status=0
 for step in "${steps[@]}"; do
     case "$step" in
@@ -41,6 +41,7 @@ for step in "${steps[@]}"; do
                   | tee "$OUT/bench_draft_attention.md" ;;
         quant) python3 scripts/bench_quant.py --head --out "$OUT/bench_quant.json" 2>&1 | tee "$OUT/bench_quant.md" ;;
         rows) python3 scripts/bench_rows.py --out "$OUT/bench_rows.json" 2>&1 | tee "$OUT/bench_rows.md" ;;
+        argmax) python3 scripts/bench_argmax.py --out "$OUT/bench_argmax.json" 2>&1 | tee "$OUT/bench_argmax.md" ;;
         decode) python3 scripts/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.md" ;;
         eval) python3 scripts/eval_dflash.py --device cuda --compare-overlap --out "$OUT/eval_dflash_cuda.json" \
                   --trace "$OUT/eval_dflash_cuda_trace.json" 2>&1 \
@@ -78,7 +79,7 @@ for step in "${steps[@]}"; do
               done ;;
         serve) python3 scripts/bench_serve.py --device cuda --out "$OUT/bench_serve_cuda.json" 2>&1 \
                   | tee "$OUT/bench_serve_cuda.md" ;;
-        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention draft-attention quant rows decode eval eval-drafters profile host round real real-quant serve" >&2; exit 2 ;;
+        *) echo "gpu_checks.sh: unknown step '$step'; allowed: tests attention draft-attention quant rows argmax decode eval eval-drafters profile host round real real-quant serve" >&2; exit 2 ;;
     esac
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
