@@ -458,8 +458,8 @@ class HostWork:
 
 class _Window:
     """The last `size` values, each with the clock reading it was taken at, and their median, kept as the values
-    change (a sorted copy updated by bisection: one per step, where sorting the window cost a plain step about a
-    tenth of its host work on a GPU host)."""
+    change: a sorted copy updated by bisection, where sorting the window again after each step's sample was
+    part of every plain step's host work (BENCHMARKS.md, "host-work windows without a sort")."""
 
     def __init__(self, size: int):
         self._values: collections.deque = collections.deque(maxlen=size)  # (reading, value), oldest first
