@@ -36,6 +36,11 @@ def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.dtype not in _DTYPES or x.stride(1) != 1 or not 0 < x.shape[1] <= MAX_COLS:
         raise ValueError(f"x must be [rows, n] float32/bfloat16/float16 with a contiguous last dim and "
                          f"1 <= n <= {MAX_COLS}; got {tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}")
+    return _launch(x)
+
+
+def _launch(x: torch.Tensor) -> torch.Tensor:
+    """The kernel on rows `argmax_rows_triton` (or `argmax_last`, on its hot path) has already checked."""
     rows, n = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
@@ -53,11 +58,10 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(x, dim=-1)`: by `argmax_rows_triton` for CUDA float tensors whose rows it takes (the last dim
     contiguous and at most MAX_COLS wide, the leading dims flattening to rows without a copy), else by torch."""
     n = x.shape[-1] if x.dim() else 0
-    if (x.is_cuda and not reason and x.dtype in _DTYPES and 0 < n <= MAX_COLS and x.dim() >= 1
-            and x.stride(-1) == 1):
+    if x.is_cuda and not reason and x.dtype in _DTYPES and 0 < n <= MAX_COLS and x.stride(-1) == 1:
         try:
             rows = x.view(-1, n)
         except RuntimeError:  # leading dims not viewable as rows
             return x.argmax(dim=-1)
-        return argmax_rows_triton(rows).view(x.shape[:-1])
+        return _launch(rows).view(x.shape[:-1])
     return x.argmax(dim=-1)
