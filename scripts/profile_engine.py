@@ -4,7 +4,10 @@ Runs the engine on held-out prompts (each alone, then several at once) with DFla
 DFlash engine that never drafts (`no-drafts`: DFlash's bookkeeping alone), with fixed blocks and with
 adaptive speculation, on one artifact (default: the embedded default, exported into a
 temporary folder). For each mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
-graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram; on
+graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram;
+`--by-kind` adds where the timed run's steps went: count and milliseconds of its steps by kind (steps with prompt
+chunks, plain decode steps, steps that draft, steps that only read back a step in flight), each step timed on the
+host around `Engine.step` (with overlapped steps a step's time includes the wait for the step before it). On
 CUDA it also counts the synchronising calls of one single-prompt run per mode by call site
 (`torch.cuda.set_sync_debug_mode("warn")`). `--profile DIR` writes a cProfile listing per mode (single
 prompt; by cumulative and by own time) and the raw statistics (`profile_<mode>.prof`, for `pstats`). Engines are built and warmed up (graphs captured, costs measured) before their clock starts, as in
@@ -49,6 +52,42 @@ def _never_draft(engine) -> None:
     spec = engine.spec
     spec.choose = lambda decode, rows_left, prefill=False: [0] * len(decode)
     spec.fuses = lambda batch: False
+
+
+KINDS = ("prompt", "plain", "drafts", "read-back")
+
+
+class _StepKinds:
+    """Times every `Engine.step` of one engine and sorts it by what it scheduled: a step with prompt chunks
+    (`prompt`), decode rows only without drafts (`plain`), with drafts (`drafts`, fused or not), or no
+    schedule at all (`read-back`: the step read back a step in flight that ended every sequence)."""
+
+    def __init__(self, engine) -> None:
+        self.count = dict.fromkeys(KINDS, 0)
+        self.seconds = dict.fromkeys(KINDS, 0.0)
+        self._batch = None
+        schedule, step = engine.scheduler.schedule, engine.step
+
+        def scheduled(*args, **kwargs):
+            self._batch = schedule(*args, **kwargs)
+            return self._batch
+
+        def timed_step():
+            self._batch = None
+            t0 = time.perf_counter()
+            step()
+            dt = time.perf_counter() - t0
+            b = self._batch
+            kind = ("read-back" if b is None else "prompt" if b.prefill else
+                    "drafts" if any(b.n_drafts) else "plain")
+            self.count[kind] += 1
+            self.seconds[kind] += dt
+
+        engine.scheduler.schedule = scheduled
+        engine.step = timed_step
+
+    def as_dict(self) -> dict:
+        return {k: {"steps": self.count[k], "ms": 1e3 * self.seconds[k]} for k in KINDS}
 
 
 def _timed(engine, reqs) -> float:
@@ -105,6 +144,8 @@ def main() -> int:
     p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--profile", type=Path, default=None, help="folder for a cProfile listing per mode")
+    p.add_argument("--by-kind", action="store_true",
+                   help="also time every step of the timed runs and report steps and milliseconds by kind")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     modes = args.modes.split(",")
@@ -132,13 +173,17 @@ def main() -> int:
         for mode in modes:
             for n in batches:
                 engine = _engine(artifact, mode, args.device)
+                kinds = _StepKinds(engine) if args.by_kind else None
                 captures = engine.graph_counters.captures
                 seconds = _timed(engine, reqs[:n])
                 tokens, stats = engine.stats.generated_tokens, engine.spec_stats
                 rows.append({"mode": mode, "prompts": n, "steps": engine.stats.steps, "tokens": tokens,
                              "ms_per_step": 1e3 * seconds / engine.stats.steps, "tokens_per_s": tokens / seconds,
                              "captures_during_run": engine.graph_counters.captures - captures,
-                             "chosen_k_hist": list(stats.chosen_k_hist)})
+                             "chosen_k_hist": list(stats.chosen_k_hist),
+                             "wall_ms": 1e3 * seconds})
+                if kinds is not None:
+                    rows[-1]["by_kind"] = kinds.as_dict()
                 r = rows[-1]
                 print(f"{mode} x{n}: {r['ms_per_step']:.3f} ms/step, {r['tokens_per_s']:.1f} tok/s, "
                       f"{r['captures_during_run']} captures", file=sys.stderr)
@@ -164,6 +209,12 @@ def main() -> int:
         lines.append(f"| {r['mode']} | {r['prompts']} | {r['steps']} | {r['ms_per_step']:.3f} | "
                      f"{r['tokens_per_s']:.1f} | {r['captures_during_run']} | {ks} |")
     print("\n".join(lines))
+    if args.by_kind:
+        print("\n| mode | prompts | wall ms | " + " | ".join(f"{k}: steps, ms" for k in KINDS) + " |")
+        print("|---|---|---|" + "---|" * len(KINDS))
+        for r in rows:
+            cells = [f"{r['by_kind'][k]['steps']}, {r['by_kind'][k]['ms']:.2f}" for k in KINDS]
+            print(f"| {r['mode']} | {r['prompts']} | {r['wall_ms']:.2f} | " + " | ".join(cells) + " |")
     for mode, found in sites.items():
         print(f"\nsynchronising calls, {mode}, one prompt: {sum(found.values())}")
         for where, count in found.items():

@@ -1,0 +1,42 @@
+"""Claims about scripts/profile_engine.py's step kinds: every step of a run is timed once and sorted by what it
+scheduled (prompt chunks, plain decode rows, drafts), and the times add up to no more than the run."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+@pytest.mark.parametrize("speculation", [None, "fixed"])
+def test_step_kinds_count_every_step_of_a_run_with_admissions(tiny_dflash_seq_artifact, monkeypatch, speculation):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import profile_engine
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.config import RunConfig
+    from mg.runtime.engine import Engine
+    from mg.runtime.scheduler import Request
+
+    art = load_artifact(tiny_dflash_seq_artifact)
+    engine = Engine(art, RunConfig(dflash=speculation is not None, speculation=speculation or "fixed"))
+    prompt_steps = []  # the forwards that wrote prompt rows, seen from the runner
+    pack = engine.runner.pack
+    engine.runner.pack = lambda decode, ks, prefill, *a, **k: (prompt_steps.append(bool(prefill)),
+                                                               pack(decode, ks, prefill, *a, **k))[1]
+    kinds = profile_engine._StepKinds(engine)
+    reqs = [Request(f"r{i}", tuple(range(5 + i, 5 + i + 9 + 4 * i)), 10) for i in range(5)]  # 5 prompts, 3 slots
+    t0 = time.perf_counter()
+    engine.run(reqs)
+    wall = time.perf_counter() - t0
+    got = kinds.as_dict()
+    assert sum(v["steps"] for k, v in got.items() if k != "read-back") == engine.stats.steps
+    # Prompt chunks never fuse: every step that has them packs its forward. Admissions come in two waves here.
+    assert got["prompt"]["steps"] == sum(prompt_steps) >= 2
+    assert (got["drafts"]["steps"] > 0) == (speculation is not None)
+    assert got["plain"]["steps"] > 0
+    assert all(v["ms"] >= 0 for v in got.values())
+    assert 0 < sum(v["ms"] for v in got.values()) <= 1e3 * wall
