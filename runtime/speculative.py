@@ -659,10 +659,15 @@ class Speculator:
         rate = n / max(c.forward(n) + c.residual(PLAIN, n), 1e-9)  # a plain step's tokens per second
         # Sequences kept at k = 0 for a while probe; once the step pays for a draft call anyway, those
         # halfway to their probe join it (their probe costs only verify rows now). A probe is due no sooner
-        # than its predicted cost, in plain-step tokens, allows within PROBE_BUDGET of plain decoding.
+        # than its predicted cost, in plain-step tokens, allows within PROBE_BUDGET of plain decoding. A step
+        # with prompt chunks whose sequences could fuse a round without them starts no probe of its own: its
+        # drafts would run as separate calls (append, draft, acceptance's dozen calls), not overlapped, where
+        # the next step without prompt chunks runs the probe as one fused round.
         for share in (1.0, 0.5):
             if share < 1.0 and not any(ks):
                 break
+            if share == 1.0 and prefill and rounds:
+                continue  # (every probe due at share 1.0 is due at 0.5: they join a step that drafts anyway)
             for i, s in enumerate(decode):
                 if ks[i] or not limits[i] or rows_left <= 0 or not self.probes.due(s.slot, share):
                     continue  # (the budget's floor below only lengthens the wait: not due without it, not due)

@@ -507,6 +507,35 @@ def test_probes_stay_within_their_budget_of_plain_decoding(tiny_dflash_seq_artif
     assert chosen.index(4) == 8 and chosen.count(4) == 1  # by the prediction alone the next came 16 later
 
 
+def test_a_probe_waits_for_a_step_without_prompt_chunks_where_rounds_fuse(tiny_dflash_seq_artifact):
+    """A probe that falls due in a step with prompt chunks runs in the next step without them, as a fused round
+    (the prompt step would run it as separate calls); without fused rounds it rides the prompt step as before."""
+    for fused in (True, False):
+        engine = _engine(tiny_dflash_seq_artifact, RunConfig(fused_rounds=fused))
+        spec, seq = engine.spec, _seq(0)
+        engine.runner.call_log = None
+        costs = _costs(forward_per_row=5e-5, draft=1e-4)
+        spec.costs = CostModel(costs.tables["forward"], costs.tables["draft"], costs.tables["append"],
+                               padded=False, rounds={fr.name: {1: 1e-3 + 1e-4 + 5e-5 * fr.block}
+                                                     for fr in spec.rounds})
+        assert bool(spec.rounds) is fused
+        for _ in range(30):
+            spec.acceptance.observe(seq.slot, 4, 0)
+        while not spec.probes.due(seq.slot, 1.0):  # plain steps until its probe is due (a generous floor)
+            assert spec.choose([seq], 24) == [0]
+            spec.observe(seq, 0, 0)
+            spec.step_done(1e-3, 1)
+        if fused:
+            assert spec.choose([seq], 20, prefill=True) == [0]  # prompt chunks may join: the probe waits
+            spec.observe(seq, 0, 0)
+            spec.step_done(2e-3, 5, prefill=True)
+            ks = spec.choose([seq], 24)
+            assert ks[0] > 0 and spec._round_now is not None and spec._probing == {seq.slot}  # fused probe
+        else:
+            ks = spec.choose([seq], 20, prefill=True)
+            assert ks[0] > 0 and spec._probing == {seq.slot}  # no fused round to wait for: it rides the step
+
+
 def test_cost_model_interpolates_and_corrects_online():
     costs = CostModel({1: 1.0, 2: 2.0, 4: 3.0}, {1: 0.5}, {1: 0.1}, padded=False)
     assert costs.forward(3) == 2.5 and costs.forward(8) == 6.0 and costs.forward(0) == 0.0
