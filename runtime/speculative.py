@@ -641,6 +641,11 @@ class Speculator:
                 self._probing = _NONE
                 return [0] * len(slots)
         self._probing = set()
+        if rows_left <= 0 and self.adaptive:  # prompt chunks fill the step: no row for a draft, nothing to price
+            self._prediction = (0, 0)
+            if self.trace is not None:
+                self.trace.append({"n": len(decode), "unfused_drafts": 0})
+            return [0] * len(decode)
         limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
         rounds = self._fusable_rounds(decode)
         if not self.adaptive:  # fused whenever the step turns out to have no prompt chunks (`fuses`)

@@ -526,6 +526,11 @@ def test_a_probe_waits_for_a_step_without_prompt_chunks_where_rounds_fuse(tiny_d
             spec.observe(seq, 0, 0)
             spec.step_done(1e-3, 1)
         if fused:
+            priced = spec._best_drafts
+            spec._best_drafts = None  # a step whose prompt chunks leave no row prices nothing
+            assert spec.choose([seq], 0, prefill=True) == [0] and spec._prediction == (0, 0)
+            spec.step_done(2e-3, 5, prefill=True)
+            spec._best_drafts = priced
             assert spec.choose([seq], 20, prefill=True) == [0]  # prompt chunks may join: the probe waits
             spec.observe(seq, 0, 0)
             spec.step_done(2e-3, 5, prefill=True)
