@@ -5,9 +5,10 @@ DFlash engine that never drafts (`no-drafts`: DFlash's bookkeeping alone), with 
 adaptive speculation, on one artifact (default: the embedded default, exported into a
 temporary folder). For each mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
 graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram;
-`--by-kind` adds where the timed run's steps went: count and milliseconds of its steps by kind (steps with prompt
-chunks, plain decode steps, steps that draft, steps that only read back a step in flight), each step timed on the
-host around `Engine.step` (with overlapped steps a step's time includes the wait for the step before it). On
+`--by-kind` adds where the timed run's steps went: count, milliseconds and the longest step by kind (steps with
+prompt chunks, without and with drafts; plain decode steps; steps that draft; steps that only read back a step in
+flight), each step timed on the host around `Engine.step` (with overlapped steps a step's time includes the wait
+for the step before it). On
 CUDA it also counts the synchronising calls of one single-prompt run per mode by call site
 (`torch.cuda.set_sync_debug_mode("warn")`). `--profile DIR` writes a cProfile listing per mode (single
 prompt; by cumulative and by own time) and the raw statistics (`profile_<mode>.prof`, for `pstats`). Engines are built and warmed up (graphs captured, costs measured) before their clock starts, as in
@@ -54,17 +55,19 @@ def _never_draft(engine) -> None:
     spec.fuses = lambda batch: False
 
 
-KINDS = ("prompt", "plain", "drafts", "read-back")
+KINDS = ("prompt", "prompt+drafts", "plain", "drafts", "read-back")
 
 
 class _StepKinds:
-    """Times every `Engine.step` of one engine and sorts it by what it scheduled: a step with prompt chunks
-    (`prompt`), decode rows only without drafts (`plain`), with drafts (`drafts`, fused or not), or no
-    schedule at all (`read-back`: the step read back a step in flight that ended every sequence)."""
+    """Times every `Engine.step` of one engine and sorts it by what it scheduled: a step with prompt chunks and
+    no drafts (`prompt`) or with drafts (`prompt+drafts`), decode rows only without drafts (`plain`), with drafts
+    (`drafts`, fused or not), or no schedule at all (`read-back`: the step read back a step in flight that ended
+    every sequence)."""
 
     def __init__(self, engine) -> None:
         self.count = dict.fromkeys(KINDS, 0)
         self.seconds = dict.fromkeys(KINDS, 0.0)
+        self.longest = dict.fromkeys(KINDS, 0.0)
         self._batch = None
         schedule, step = engine.scheduler.schedule, engine.step
 
@@ -78,16 +81,19 @@ class _StepKinds:
             step()
             dt = time.perf_counter() - t0
             b = self._batch
-            kind = ("read-back" if b is None else "prompt" if b.prefill else
-                    "drafts" if any(b.n_drafts) else "plain")
+            drafts = b is not None and any(b.n_drafts)
+            kind = ("read-back" if b is None else ("prompt+drafts" if drafts else "prompt") if b.prefill else
+                    "drafts" if drafts else "plain")
             self.count[kind] += 1
             self.seconds[kind] += dt
+            self.longest[kind] = max(self.longest[kind], dt)
 
         engine.scheduler.schedule = scheduled
         engine.step = timed_step
 
     def as_dict(self) -> dict:
-        return {k: {"steps": self.count[k], "ms": 1e3 * self.seconds[k]} for k in KINDS}
+        return {k: {"steps": self.count[k], "ms": 1e3 * self.seconds[k], "longest_ms": 1e3 * self.longest[k]}
+                for k in KINDS}
 
 
 def _timed(engine, reqs) -> float:
@@ -210,10 +216,10 @@ def main() -> int:
                      f"{r['tokens_per_s']:.1f} | {r['captures_during_run']} | {ks} |")
     print("\n".join(lines))
     if args.by_kind:
-        print("\n| mode | prompts | wall ms | " + " | ".join(f"{k}: steps, ms" for k in KINDS) + " |")
+        print("\n| mode | prompts | wall ms | " + " | ".join(f"{k}: steps, ms (longest)" for k in KINDS) + " |")
         print("|---|---|---|" + "---|" * len(KINDS))
         for r in rows:
-            cells = [f"{r['by_kind'][k]['steps']}, {r['by_kind'][k]['ms']:.2f}" for k in KINDS]
+            cells = [f"{v['steps']}, {v['ms']:.2f} ({v['longest_ms']:.2f})" for v in map(r["by_kind"].get, KINDS)]
             print(f"| {r['mode']} | {r['prompts']} | {r['wall_ms']:.2f} | " + " | ".join(cells) + " |")
     for mode, found in sites.items():
         print(f"\nsynchronising calls, {mode}, one prompt: {sum(found.values())}")

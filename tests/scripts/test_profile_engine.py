@@ -35,8 +35,11 @@ def test_step_kinds_count_every_step_of_a_run_with_admissions(tiny_dflash_seq_ar
     got = kinds.as_dict()
     assert sum(v["steps"] for k, v in got.items() if k != "read-back") == engine.stats.steps
     # Prompt chunks never fuse: every step that has them packs its forward. Admissions come in two waves here.
-    assert got["prompt"]["steps"] == sum(prompt_steps) >= 2
+    assert got["prompt"]["steps"] + got["prompt+drafts"]["steps"] == sum(prompt_steps) >= 2
     assert (got["drafts"]["steps"] > 0) == (speculation is not None)
+    assert (got["prompt+drafts"]["steps"] > 0) == (speculation is not None)  # fixed drafts beside prompt chunks too
+    for v in got.values():
+        assert v["longest_ms"] <= v["ms"] and (v["longest_ms"] > 0) == (v["steps"] > 0)
     assert got["plain"]["steps"] > 0
     assert all(v["ms"] >= 0 for v in got.values())
     assert 0 < sum(v["ms"] for v in got.values()) <= 1e3 * wall
