@@ -499,6 +499,7 @@ def _bucket(n: int) -> int:
 
 
 KEEP_MARGIN, KEEP_STEPS = 0.9, 15  # a plain step chosen with a round 10% worse or more is kept for 15 more steps
+PROBE_WAIT = 8  # steps in a row with prompt chunks during which due probes wait for a step that fuses
 _NONE: frozenset = frozenset()  # no slot probes this step
 STALL_RATIO = 2.0  # a plain step timed above this many times a plain step's price is a stall (CostModel.record)
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
@@ -614,6 +615,7 @@ class Speculator:
         self._round_now: Optional[FusedRound] = None  # this step's fused round, if anyone drafts (as chosen)
         self._kept: Optional[tuple] = None  # a plain step chosen with a margin, kept for the next steps (_choose_round)
         self._steps = 0  # steps chosen so far (`choose` calls): the clock of kept plain steps
+        self._prompt_steps = 0  # steps in a row that prompt chunks could join (due probes wait: PROBE_WAIT)
         self._fused_n = 0  # members of the fused round run this step (0: none)
         self._n = 0
         self._captures = runner.counters.captures  # graph captures inside a step: its time is not the step's
@@ -635,6 +637,7 @@ class Speculator:
         self._n = len(decode)  # the step's decoding sequences, for its host work
         self._round_now = None
         self._steps += 1
+        self._prompt_steps = self._prompt_steps + 1 if prefill else 0
         if self._kept is not None and not prefill:  # a kept plain step first: the common step of a stretch
             slots = [s.slot for s in decode]        # the drafter does not serve, so its cheapest path
             if self._keep_plain(slots):
@@ -667,11 +670,12 @@ class Speculator:
         # than its predicted cost, in plain-step tokens, allows within PROBE_BUDGET of plain decoding. A step
         # with prompt chunks whose sequences could fuse a round without them starts no probe of its own: its
         # drafts would run as separate calls (append, draft, acceptance's dozen calls), not overlapped, where
-        # the next step without prompt chunks runs the probe as one fused round.
+        # the next step without prompt chunks runs the probe as one fused round. Not for long: after
+        # PROBE_WAIT such steps in a row (prompts admitted back to back) the probe rides the prompt step.
         for share in (1.0, 0.5):
             if share < 1.0 and not any(ks):
                 break
-            if share == 1.0 and prefill and rounds:
+            if share == 1.0 and prefill and rounds and self._prompt_steps <= PROBE_WAIT:
                 continue  # (every probe due at share 1.0 is due at 0.5: they join a step that drafts anyway)
             for i, s in enumerate(decode):
                 if ks[i] or not limits[i] or rows_left <= 0 or not self.probes.due(s.slot, share):

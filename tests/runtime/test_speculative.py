@@ -536,6 +536,22 @@ def test_a_probe_waits_for_a_step_without_prompt_chunks_where_rounds_fuse(tiny_d
             spec.step_done(2e-3, 5, prefill=True)
             ks = spec.choose([seq], 24)
             assert ks[0] > 0 and spec._round_now is not None and spec._probing == {seq.slot}  # fused probe
+            spec.observe(seq, ks[0], 0)
+            spec.step_done(5e-3, 1 + ks[0])
+            # Prompts admitted back to back: the next due probe waits PROBE_WAIT steps with prompt chunks, no more.
+            waited = 0
+            while not spec.probes.due(seq.slot, 1.0):
+                assert spec.choose([seq], 24) == [0]
+                spec.observe(seq, 0, 0)
+                spec.step_done(1e-3, 1)
+            while True:
+                ks = spec.choose([seq], 20, prefill=True)
+                if ks[0]:
+                    break
+                waited += 1
+                spec.observe(seq, 0, 0)
+                spec.step_done(2e-3, 5, prefill=True)
+            assert waited == spec_module.PROBE_WAIT and spec._probing == {seq.slot} and spec._round_now is None
         else:
             ks = spec.choose([seq], 20, prefill=True)
             assert ks[0] > 0 and spec._probing == {seq.slot}  # no fused round to wait for: it rides the step
