@@ -145,7 +145,9 @@ def _sync_sites(artifact, mode: str, device: str, reqs) -> dict[str, int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_artifact_args(p)
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, run in order: {', '.join(MODES)} (a mode named twice runs a second engine "
+                        "of it in the same process, after the others before it)")
     p.add_argument("--batches", default="1,8,20", help="prompts served at once (the first N held-out prompts)")
     p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -156,7 +158,7 @@ def main() -> int:
     args = p.parse_args()
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
-        p.error(f"--modes is {args.modes!r}; allowed: a comma-separated subset of {', '.join(MODES)}")
+        p.error(f"--modes is {args.modes!r}; allowed: comma-separated names among {', '.join(MODES)}")
     batches = int_list(p, "--batches", args.batches)
 
     sys.path.insert(0, str(ROOT / "scripts"))
