@@ -33,10 +33,15 @@ def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     int64 [rows], on x's device."""
     if not available():
         raise RuntimeError(f"Triton argmax is unavailable: {reason}")
-    if x.dim() != 2 or x.dtype not in _DTYPES or x.stride(1) != 1 or not 0 < x.shape[1] <= MAX_COLS:
+    if x.dim() != 2 or not _fits(x):
         raise ValueError(f"x must be [rows, n] float32/bfloat16/float16 with a contiguous last dim and "
                          f"1 <= n <= {MAX_COLS}; got {tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}")
     return _launch(x)
+
+
+def _fits(x: torch.Tensor) -> bool:
+    """Rows the kernel takes (x at least 1-D): a float dtype it reads, the last dim contiguous, 1..MAX_COLS wide."""
+    return x.dtype in _DTYPES and x.stride(-1) == 1 and 0 < x.shape[-1] <= MAX_COLS
 
 
 def _launch(x: torch.Tensor) -> torch.Tensor:
@@ -57,8 +62,8 @@ def argmax_meta(n: int) -> dict:
 def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(x, dim=-1)`: by `argmax_rows_triton` for CUDA float tensors whose rows it takes (the last dim
     contiguous and at most MAX_COLS wide, the leading dims flattening to rows without a copy), else by torch."""
-    n = x.shape[-1] if x.dim() else 0
-    if x.is_cuda and not reason and x.dtype in _DTYPES and 0 < n <= MAX_COLS and x.stride(-1) == 1:
+    if x.is_cuda and not reason and x.dim() and _fits(x):
+        n = x.shape[-1]
         try:
             rows = x.view(-1, n)
         except RuntimeError:  # leading dims not viewable as rows
