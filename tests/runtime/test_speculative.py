@@ -507,6 +507,17 @@ def test_probes_stay_within_their_budget_of_plain_decoding(tiny_dflash_seq_artif
     assert chosen.index(4) == 8 and chosen.count(4) == 1  # by the prediction alone the next came 16 later
 
 
+def _plain_until_probe_due(spec, seq, most: int = 1000) -> None:
+    """Plain steps of `seq` (each chosen so) until its probe is due; fails after `most`."""
+    for _ in range(most):
+        if spec.probes.due(seq.slot, 1.0):
+            return
+        assert spec.choose([seq], 24) == [0]
+        spec.observe(seq, 0, 0)
+        spec.step_done(1e-3, 1)
+    raise AssertionError(f"no probe due after {most} plain steps")
+
+
 def test_a_probe_waits_for_a_step_without_prompt_chunks_where_rounds_fuse(tiny_dflash_seq_artifact):
     """A probe that falls due in a step with prompt chunks runs in the next step without them, as a fused round
     (the prompt step would run it as separate calls); without fused rounds it rides the prompt step as before."""
@@ -521,10 +532,7 @@ def test_a_probe_waits_for_a_step_without_prompt_chunks_where_rounds_fuse(tiny_d
         assert bool(spec.rounds) is fused
         for _ in range(30):
             spec.acceptance.observe(seq.slot, 4, 0)
-        while not spec.probes.due(seq.slot, 1.0):  # plain steps until its probe is due (a generous floor)
-            assert spec.choose([seq], 24) == [0]
-            spec.observe(seq, 0, 0)
-            spec.step_done(1e-3, 1)
+        _plain_until_probe_due(spec, seq)
         if fused:
             priced = spec._best_drafts
             spec._best_drafts = None  # a step whose prompt chunks leave no row prices nothing
@@ -539,19 +547,14 @@ def test_a_probe_waits_for_a_step_without_prompt_chunks_where_rounds_fuse(tiny_d
             spec.observe(seq, ks[0], 0)
             spec.step_done(5e-3, 1 + ks[0])
             # Prompts admitted back to back: the next due probe waits PROBE_WAIT steps with prompt chunks, no more.
-            waited = 0
-            while not spec.probes.due(seq.slot, 1.0):
-                assert spec.choose([seq], 24) == [0]
-                spec.observe(seq, 0, 0)
-                spec.step_done(1e-3, 1)
-            while True:
+            _plain_until_probe_due(spec, seq)
+            for waited in range(spec_module.PROBE_WAIT + 2):  # (bounded: a probe that never rides fails, not hangs)
                 ks = spec.choose([seq], 20, prefill=True)
                 if ks[0]:
                     break
-                waited += 1
                 spec.observe(seq, 0, 0)
                 spec.step_done(2e-3, 5, prefill=True)
-            assert waited == spec_module.PROBE_WAIT and spec._probing == {seq.slot} and spec._round_now is None
+            assert ks[0] > 0 and waited == spec_module.PROBE_WAIT and spec._probing == {seq.slot} and spec._round_now is None
         else:
             ks = spec.choose([seq], 20, prefill=True)
             assert ks[0] > 0 and spec._probing == {seq.slot}  # no fused round to wait for: it rides the step
