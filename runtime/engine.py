@@ -131,6 +131,8 @@ class Engine:
 
     def warm_up(self) -> None:
         """Capture the CUDA graphs of every bucket now rather than at first use (no-op without graphs)."""
+        if self.spec is not None:
+            self.spec.before_capture()
         self.runner.warm_up()
         if self.spec is not None:
             self.spec.warm_up()

@@ -970,6 +970,13 @@ class Speculator:
                 owners.append((seq.slot, 1))
         self.commit(hidden, rows, owners)
 
+    def before_capture(self) -> None:
+        """Before the engine captures its graphs (`Engine.warm_up`): the waiting-row buffer the forward writes
+        takes its full size now, so that the graphs captured next stay valid whatever the batch (with CUDA
+        graphs only: elsewhere it keeps growing with the sequences served at once)."""
+        if self.runner.config.graphs:
+            self._waiting.grow_to_all_slots()
+
     def warm_up(self) -> None:
         """Capture the fused rounds' graphs now (nothing to do without fused rounds or without graphs)."""
         for fr in self.rounds:
@@ -1128,21 +1135,28 @@ class WaitingRows:
         region = self._region.get(slot)
         if region is None:
             if not self._free:
-                old = self.regions
-                grown = min(self.n_slots, 2 * old)
-                buf = torch.empty(1 + grown * self.rows, self._buf.shape[1], dtype=self._buf.dtype,
-                                  device=self._buf.device)
-                live = [i for s, r in self._region.items()
-                        for i in range(1 + r * self.rows, 1 + r * self.rows + self.count[s])]
-                if live:  # only the waiting rows move (a region is mostly empty: rows waiting between appends)
-                    index = to_device(torch.tensor(live, dtype=torch.long), buf.device)
-                    buf.index_copy_(0, index, self._buf.index_select(0, index))
-                self._buf, self._views = buf, {}
-                self.version += 1
-                self._free = list(range(old, grown))[::-1]
+                self._grow(min(self.n_slots, 2 * self.regions))
             region = self._region[slot] = self._free.pop()
             self._bases[slot] = 1 + region * self.rows
         return 1 + region * self.rows
+
+    def grow_to_all_slots(self) -> None:
+        """Hold a region for every slot now, so that the buffer never moves later: before CUDA graphs that
+        write it are captured (a batch of more than START_REGIONS sequences then captures no graph mid-run)."""
+        if self.regions < self.n_slots:
+            self._grow(self.n_slots)
+
+    def _grow(self, regions: int) -> None:
+        """A buffer of `regions` regions in place of this one: the waiting rows move, the new regions are free."""
+        old = self.regions
+        buf = torch.empty(1 + regions * self.rows, self._buf.shape[1], dtype=self._buf.dtype, device=self._buf.device)
+        live = [i for s, r in self._region.items() for i in range(1 + r * self.rows, 1 + r * self.rows + self.count[s])]
+        if live:  # only the waiting rows move (a region is mostly empty: rows waiting between appends)
+            index = to_device(torch.tensor(live, dtype=torch.long), buf.device)
+            buf.index_copy_(0, index, self._buf.index_select(0, index))
+        self._buf, self._views = buf, {}
+        self.version += 1
+        self._free = list(range(old, regions))[::-1] + self._free
 
     def reserve(self, owners: list[tuple[int, int]]) -> list[int]:
         """The buffer rows of the next m waiting rows of each (slot, m) in `owners`, in order, counted as

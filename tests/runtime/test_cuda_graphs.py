@@ -187,6 +187,25 @@ def test_storage_growth_recaptures_and_outputs_still_equal(which, fused, request
 
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_dflash_warm_up_leaves_no_capture_for_more_sequences_than_the_first_regions(tiny_dflash_cell_artifact,
+                                                                                   tiny_cfg):
+    """A DFlash engine's forward writes its waiting context rows from inside its graphs; warm-up gives that buffer
+    its full size before capturing, so a batch of more sequences than the buffer's first regions captures no
+    graph mid-run (each capture costs milliseconds of the first batch), and the tokens are the CPU's."""
+    from mg.runtime.speculative import WaitingRows
+
+    n = WaitingRows.START_REGIONS + 4
+    reqs = _requests(tiny_cfg.vocab_size, lengths=tuple(2 + i % 7 for i in range(n)), max_new=(6,) * n)
+    engine = _engine(tiny_dflash_cell_artifact, "cuda", speculation="adaptive")
+    assert engine.cache.n_slots >= n
+    engine.warm_up()
+    before = (engine.graph_counters.captures, engine.spec._waiting.version)
+    assert _tokens(engine, reqs) == _tokens(_engine(tiny_dflash_cell_artifact, dflash=False), reqs)
+    assert (engine.graph_counters.captures, engine.spec._waiting.version) == before
+
+
 class _DoubleProgram:
     """A stand-in program: out = 2 * x + the 'cache storage' (a tensor that growth replaces)."""
 

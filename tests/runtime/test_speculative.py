@@ -819,6 +819,24 @@ def test_waiting_rows_one_row_commits_land_in_the_buffer_after_it_grows():
     assert wr.take([regions]).tolist() == [[100.0 + regions, -100.0 - regions]]
 
 
+def test_waiting_rows_grown_to_all_slots_before_capture_never_move_again():
+    """`grow_to_all_slots` (before graphs that write the buffer are captured): the waiting rows already there
+    stay, the buffer moves once (one version), and every slot then takes a region without another move."""
+    from mg.runtime.speculative import WaitingRows
+
+    n_slots = 3 * WaitingRows.START_REGIONS
+    wr = WaitingRows(n_slots, 4, 2, torch.float32, torch.device("cpu"))
+    wr.put(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), [0, 1], [(5, 2)])
+    version = wr.version
+    wr.grow_to_all_slots()
+    assert wr.regions == n_slots and wr.version == version + 1
+    wr.grow_to_all_slots()
+    assert wr.version == version + 1
+    wr.reserve_one_each(list(range(n_slots)))
+    assert wr.version == version + 1
+    assert wr.take([5]).tolist()[:2] == [[1.0, 2.0], [3.0, 4.0]]
+
+
 def test_waiting_rows_reserve_one_each_is_reserve_of_one_row_each():
     """A plain step's reservation (`reserve_one_each`, region bases kept per slot) names the rows `reserve` names
     for one row of each slot, through the buffer's growth and releases that free regions for other slots; a slot
