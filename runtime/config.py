@@ -13,6 +13,9 @@ from typing import Optional
 SPECULATION_ADAPTIVE = "adaptive"  # per round and per sequence, from measured costs and online acceptance
 SPECULATION_FIXED = "fixed"  # always the most drafts the block, the step budget and the request allow
 SPECULATION_POLICIES = (SPECULATION_ADAPTIVE, SPECULATION_FIXED)
+PROBES_SHADOW = "shadow"  # a probe drafts without verifying; the target's next tokens say what it would accept
+PROBES_ROUND = "round"  # a probe is a drafting round (verify rows, or a fused round of every member)
+PROBE_KINDS = (PROBES_SHADOW, PROBES_ROUND)
 
 
 class ConfigError(ValueError):
@@ -69,7 +72,16 @@ class RunConfig:
     hence off by default. Longer calls and other dtypes stay on torch's `mm`, so a row's bits in a call of more
     than 16 rows (a verify of two or more sequences) differ from its 1-row step's: greedy DFlash equals
     target-only only up to rounding there. The drafter's products it serves run in IEEE float32 rather than
-    TF32. Changes nothing on CPU."""
+    TF32. Changes nothing on CPU. probes: how adaptive speculation checks a greedy sequence it keeps at plain
+    steps (`speculative.py`): "shadow" runs only the drafter's `draft_block` for it, left in flight, and
+    compares the drafts with the tokens the target's next steps make (what a round would have accepted, for
+    one draft call: no verify rows, no round for the other sequences of a batch, no wait for a step in
+    flight); "round" (default) drafts and verifies in a round (a probe that accepts commits its tokens).
+    Shadow probes found more of the prompts the drafter serves on an H100 (1.08-1.41x on 7 prompts, round
+    probes 0.91-1.18x) but each cost about 0.7 ms of host time there (the context append's and the draft
+    call's paths), so the single-prompt median fell to 0.91-0.93x and batches to 0.90-0.92x, against 0.96-0.99x
+    with round probes (BENCHMARKS.md); on the CPU a round probe's verify rows cost less than the draft call
+    it needs either way. Sampled sequences always probe by rounds."""
 
     device: str = "cpu"
     cuda_graphs: Optional[bool] = None
@@ -88,6 +100,7 @@ class RunConfig:
     overlap: Optional[bool] = None
     row_invariant: bool = False
     rows_kernel: bool = False
+    probes: str = PROBES_ROUND
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -98,6 +111,8 @@ class RunConfig:
             raise ConfigError("compile=True needs padded calls; pad_steps is False")
         if self.speculation not in SPECULATION_POLICIES:
             raise ConfigError(f"speculation is {self.speculation!r}; allowed: {' | '.join(SPECULATION_POLICIES)}")
+        if self.probes not in PROBE_KINDS:
+            raise ConfigError(f"probes is {self.probes!r}; allowed: {' | '.join(PROBE_KINDS)}")
         if self.n_slots is not None and self.n_slots < 1:
             raise ConfigError(f"n_slots is {self.n_slots}; allowed: an integer >= 1")
 
@@ -124,6 +139,11 @@ class RunConfig:
     def fused(self) -> bool:
         """Run greedy DFlash rounds as one fused call?"""
         return self.graphs if self.fused_rounds is None else self.fused_rounds
+
+    @property
+    def shadow_probes(self) -> bool:
+        """Does adaptive speculation probe greedy sequences in the shadow?"""
+        return self.probes == PROBES_SHADOW
 
     @property
     def overlapped(self) -> bool:

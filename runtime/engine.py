@@ -230,6 +230,8 @@ class Engine:
             if self._overlap and not batch.prefill and not any(drafts.ks) and self._sampling_batch(
                     batch.decode, out[0].device).all_greedy:
                 self._launch(batch.decode, out[0])
+                if self.spec is not None:  # shadow probes: their host work before waiting on the step before
+                    self.spec.launch_shadows()
                 if chained is not None:
                     self.stats.overlapped_steps += 1
                     self._read_back(chained)

@@ -40,7 +40,17 @@ and then (`ProbeSchedule`: a few drafts, or as many as ride free in the
 step's bucket; the wait doubles after each probe that did not pay, and is
 never shorter than keeps probing within PROBE_BUDGET of the sequence's plain
 decoding time, by the probe's predicted and then measured cost), so it
-notices when the text becomes predictable again.
+notices when the text becomes predictable again. A greedy sequence may probe
+in the shadow instead: one `draft_block` call for it
+alone, left in flight after the step, whose drafts are compared with the
+tokens the target's next steps make, which is exactly what a round anchored
+there would have accepted (greedy acceptance takes a draft iff it is the
+target's argmax given the drafts before it). It costs one draft call and
+its context append, no verify rows and no round for the other sequences of
+a batch, and never waits for a step in flight: a chained plain step stays
+chained. Its outcome is observed like a round's once those tokens exist.
+Shadow probes are opt-in (`RunConfig.probes`): on an H100 their host work
+cost more than round probes saved (docs/ARCHITECTURE.md section 6.5).
 
 Fused rounds (`fused_round.py`, on with CUDA graphs): when a step can run
 its whole round as one call (every decoding sequence greedy, few enough for
@@ -128,6 +138,8 @@ class SpecStats:
     accepted_hist: list = field(default_factory=list)  # [a] = rounds that accepted a drafts
     chosen_k_hist: list = field(default_factory=list)  # [k] = decode sequence-steps that verified k drafts
     stalls: int = 0  # plain steps whose time was left out of the host-work windows as stalls (`CostModel.record`)
+    shadow_probes: int = 0  # drafts made for a sequence at a plain step and compared with its next tokens
+    shadow_accepted: int = 0  # of their drafts, those a round would have accepted
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -146,15 +158,19 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list, ks: list[int]) -> torch.Tensor:
+        return self.block_at(seqs, [s.n_cached for s in seqs])
+
+    def block_at(self, seqs: list, anchors: list[int]) -> torch.Tensor:
+        """Argmax drafts [B, T-1] (left on the device) of blocks anchored at each sequence's last known token,
+        at position `anchors[i]` (its pending token's: `n_cached`, or earlier while steps are in flight)."""
         t = self.runner.block_size
         tokens = torch.full((len(seqs), t), self.runner.mask_token, dtype=torch.long)
         tokens[:, 0] = torch.tensor([s.tokens[-1] for s in seqs])
-        anchors = torch.tensor([s.n_cached for s in seqs], dtype=torch.long)
-        positions = anchors[:, None] + torch.arange(t)[None, :]
+        positions = torch.tensor(anchors, dtype=torch.long)[:, None] + torch.arange(t)[None, :]
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
         logits = self.runner.draft_block(tokens, positions, slots)
-        return argmax_last(logits)  # [B, T-1], left on the device
+        return argmax_last(logits)
 
 
 class AcceptanceModel:
@@ -571,6 +587,19 @@ def _save_tables(key: tuple, device: torch.device, tables: tuple) -> tuple:
 _TABLE_OF = {C.METHOD_FORWARD: "forward", C.METHOD_DRAFT_BLOCK: "draft", C.METHOD_DRAFT_APPEND: "append"}
 
 
+@dataclass
+class _Shadow:
+    """A shadow probe whose outcome is not known yet (`Speculator._launch_shadows`)."""
+
+    seq: object  # the Sequence
+    first: int  # index in seq.tokens of the token its first draft guesses
+    k: int  # drafts to compare, at most
+    drafts: torch.Tensor  # [>= k] on the host once `ready` has passed
+    ready: Optional["torch.cuda.Event"]  # recorded after the drafts' copy to the host (CUDA)
+    need: float  # accepted drafts with which a round would have paid (`ProbeSchedule.probed`)
+    floor: float  # the wait, in plain steps, its cost asks for within PROBE_BUDGET
+
+
 class Speculator:
     """DFlash for one engine; see the module docstring. `proposer` replaces the artifact's drafter (tests)."""
 
@@ -605,6 +634,10 @@ class Speculator:
         self._probed: dict[int, int] = {}  # slot -> drafts its probe had accepted, until the step is timed
         self._append_host = 0.0  # host seconds of this step's context appends outside the tables' calls
         self._released = False  # a sequence finished or was cancelled since the last timed step
+        # Shadow probes (module docstring): greedy sequences with the artifact's drafter, adaptive speculation.
+        self.shadow = self.adaptive and config.shadow_probes and proposer is None
+        self._shadow_next: list[tuple] = []  # (sequence, need, floor) chosen this step, launched at its end
+        self._shadows: dict[int, _Shadow] = {}  # slot -> its shadow probe in flight
         # Greedy rounds as one fused call (one CUDA graph): with the artifact's drafter only. Adaptive
         # speculation also has rounds of smaller blocks to choose from: cheaper, and more sequences fit one.
         self.rounds: list[FusedRound] = []
@@ -629,6 +662,11 @@ class Speculator:
             if runner.device.type == "cpu":  # calls are synchronous there: time each one
                 runner.call_log = []
 
+    @property
+    def shadow_queue(self) -> list:
+        """The sequences whose shadow probe `choose` queued this step (launched at its end: `end_commits`)."""
+        return [seq for seq, _, _ in self._shadow_next]
+
     # ------------------------------------------------------------------ 1. choose
 
     def choose(self, decode: list, rows_left: int, prefill: bool = False) -> list[int]:
@@ -650,6 +688,8 @@ class Speculator:
                 self.trace.append({"n": len(decode), "unfused_drafts": 0})
             return [0] * len(decode)
         limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
+        if self._shadows:  # a sequence waits for its shadow probe's outcome before drafting (its append is paid now,
+            limits = [0 if s.slot in self._shadows else k for s, k in zip(decode, limits)]  # the estimates not yet)
         rounds = self._fusable_rounds(decode)
         if not self.adaptive:  # fused whenever the step turns out to have no prompt chunks (`fuses`)
             ks = []
@@ -672,14 +712,25 @@ class Speculator:
         # drafts would run as separate calls (append, draft, acceptance's dozen calls), not overlapped, where
         # the next step without prompt chunks runs the probe as one fused round. Not for long: after
         # PROBE_WAIT such steps in a row (prompts admitted back to back) the probe rides the prompt step.
+        # A greedy sequence probes in the shadow instead (module docstring): a draft call, no verify rows, due
+        # by the draft call's cost; whether a round with what it accepts would have paid is priced as a probe.
+        shadow_floor = rate * c.draft(1) / PROBE_BUDGET if self.shadow else 0.0
         for share in (1.0, 0.5):
             if share < 1.0 and not any(ks):
                 break
-            if share == 1.0 and prefill and rounds and self._prompt_steps <= PROBE_WAIT:
-                continue  # (every probe due at share 1.0 is due at 0.5: they join a step that drafts anyway)
+            wait = share == 1.0 and prefill and rounds and self._prompt_steps <= PROBE_WAIT
             for i, s in enumerate(decode):
-                if ks[i] or not limits[i] or rows_left <= 0 or not self.probes.due(s.slot, share):
+                if ks[i] or not limits[i] or not self.probes.due(s.slot, share):
                     continue  # (the budget's floor below only lengthens the wait: not due without it, not due)
+                if share == 1.0 and self.shadow and s.request.sampling.greedy:
+                    if s.slot not in self._shadows and self.probes.due(s.slot, 1.0, floor=shadow_floor):
+                        rows, b = n + sum(ks), sum(1 for k in ks if k)
+                        k = min(limits[i], self._probe_rows(rows))
+                        extra = self._step_cost(n, rows - n + k, b + 1) - self._step_cost(n, rows - n, b)
+                        self._queue_shadow(s, rate * extra, shadow_floor)
+                    continue
+                if wait or rows_left <= 0:
+                    continue  # (every probe due at share 1.0 is due at 0.5: they join a step that drafts anyway)
                 rows, b = n + sum(ks), sum(1 for k in ks if k)
                 k = min(limits[i], rows_left, self._probe_rows(rows))
                 extra = self._step_cost(n, rows - n + k, b + 1) - self._step_cost(n, rows - n, b)
@@ -695,6 +746,8 @@ class Speculator:
             self._plain_rate = rate
         if self.trace is not None:
             self.trace.append({"n": n, "unfused_drafts": sum(ks)})
+            if self._shadow_next:
+                self.trace[-1]["shadows"] = len(self._shadow_next)
         return ks
 
     def _choose_round(self, decode: list, limits: list[int], rows_left: int, rounds: list[FusedRound]) -> list[int]:
@@ -729,9 +782,17 @@ class Speculator:
         best_rate, fr, ks, t = top
         chosen = [s.slot for s, k in zip(decode, ks) if k]
         share = max(t - plain_t, 0.0) / len(chosen)  # each drafting member's seconds on top of a plain step
-        if best_rate <= rate:  # a plain step pays better; due probes still ride the round
-            floor = rate * share / PROBE_BUDGET
-            self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=floor)}
+        if best_rate <= rate:  # a plain step pays better; due probes still ride the round, or go in the shadow
+            if self.shadow:  # (every member greedy, as in any fused round): a draft call each, no round
+                floor = rate * c.draft(1) / PROBE_BUDGET
+                for s, k in zip(decode, ks):
+                    if k and s.slot not in self._shadows and self.probes.due(s.slot, 1.0, floor=floor):
+                        self._queue_shadow(s, rate * share, floor)
+                if self.trace is not None and self._shadow_next:
+                    self.trace[-1]["shadows"] = len(self._shadow_next)
+            else:
+                floor = rate * share / PROBE_BUDGET
+                self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=floor)}
             if not self._probing:
                 if best_rate <= KEEP_MARGIN * rate:
                     until = self._keep_until(slots, floor)
@@ -1032,11 +1093,90 @@ class Speculator:
         ((slot, m): the next m committed positions of slot, in position order). They wait on the device."""
         self._waiting.put(hidden, rows, owners)
 
+    def launch_shadows(self) -> None:
+        """Launch the shadow probes `choose` queued for this step now (else `end_commits` does): an overlapped
+        step calls this right after launching its forward, so the host's work for them runs while the device
+        still computes the step before."""
+        if self._shadow_next:
+            self._launch_shadows()
+
     def end_commits(self) -> None:
-        """After a step's commits: append the context of sequences with a full call's worth waiting."""
+        """After a step's commits: append the context of sequences with a full call's worth waiting; launch the
+        shadow probes chosen for the step (if not yet), and judge those whose tokens are all known now."""
         full = self._waiting.at_least(self._flush_rows)
         if full:
             self._flushed += self._append_waiting(full)
+        if self._shadow_next:
+            self._launch_shadows()
+        if self._shadows:
+            done = [slot for slot, sh in self._shadows.items() if len(sh.seq.tokens) - sh.first >= sh.k]
+            for slot in done:
+                self._judge_shadow(self._shadows.pop(slot))
+
+    # ------------------------------------------------------------------ 3'. shadow probes (module docstring)
+
+    def _queue_shadow(self, seq, need: float, floor: float) -> None:
+        """`seq` probes in the shadow at the end of this step (`end_commits`); `need`: the accepted drafts with
+        which a round would have paid; `floor`: the wait the draft call's cost asks for within PROBE_BUDGET."""
+        self._shadow_next.append((seq, need, floor))
+        self.probes.drafted(seq.slot)  # its wait starts again now; the outcome sets the next one
+
+    def _launch_shadows(self) -> None:
+        """One `draft_block` call for the sequences queued this step, anchored at each one's last token known on
+        the host (steps in flight come later in the device's order: their rows are past the anchor, which the
+        drafter's context ends before), after appending their waiting context; the drafts' copy to the host
+        is queued, not waited for. Its host time is kept out of the step's, as a context append's."""
+        queued, self._shadow_next = self._shadow_next, []
+        live = []
+        for seq, need, floor in queued:
+            k = min(self.block - 1, seq.request.max_new_tokens - seq.n_generated)  # tokens still to come
+            if seq.finish_reason is None and k > 0 and seq.slot not in self._shadows:
+                live.append((seq, k, need, floor))
+        if not live:
+            return
+        t0, log = time.perf_counter(), self.runner.call_log
+        logged = len(log) if log is not None else 0
+        try:
+            seqs = [seq for seq, *_ in live]
+            self._append_rows([s.slot for s in seqs])
+            drafts = self._shadow_drafts(seqs)
+            ready = None
+            if drafts.device.type == "cuda":
+                host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+                host.copy_(drafts, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(drafts.device))
+                drafts = host
+            for i, (seq, k, need, floor) in enumerate(live):
+                self._shadows[seq.slot] = _Shadow(seq, len(seq.tokens), k, drafts[i], ready, need, floor)
+            self.stats.shadow_probes += len(live)
+        finally:
+            inside = sum(seconds for _, _, seconds in log[logged:]) if log is not None else 0.0
+            self._append_host += time.perf_counter() - t0 - inside
+
+    def _shadow_drafts(self, seqs: list) -> torch.Tensor:
+        """Drafts [B, >= block - 1] of blocks anchored at each sequence's last known token (position: its index)."""
+        return self.proposer.block_at(seqs, [len(s.tokens) - 1 for s in seqs])
+
+    def _judge_shadow(self, sh: _Shadow) -> None:
+        """A shadow probe's outcome: the drafts a round anchored there would have accepted (the longest prefix
+        equal to the tokens that followed; fewer to compare when the sequence ended first), observed as that
+        round's, and whether such a round would have paid (the probe's next wait)."""
+        got = sh.seq.tokens[sh.first:sh.first + sh.k]
+        if not got:
+            return
+        if sh.ready is not None:
+            sh.ready.synchronize()  # (long done: the steps that made `got` came after it)
+        accepted = 0
+        for draft, token in zip(sh.drafts[:len(got)].tolist(), got):
+            if draft != token:
+                break
+            accepted += 1
+        slot = sh.seq.slot
+        self.acceptance.observe(slot, len(got), accepted)
+        paid = accepted > 0 and accepted >= sh.need
+        self.probes.probed(slot, paid, 0.0 if paid else sh.floor)
+        self.stats.shadow_accepted += accepted
 
     def waiting_rows(self, slot: int) -> int:
         """Committed positions of `slot` waiting to enter the draft cache."""
@@ -1047,7 +1187,13 @@ class Speculator:
         return self._appended.get(slot, 0) + self._waiting.count[slot]
 
     def release(self, slot: int) -> None:
-        """A finished sequence: its draft context and estimates go."""
+        """A finished sequence: its draft context and estimates go (a shadow probe in flight is judged first, by
+        the tokens it has)."""
+        shadow = self._shadows.pop(slot, None)
+        if shadow is not None:
+            self._judge_shadow(shadow)
+        if self._shadow_next:
+            self._shadow_next = [entry for entry in self._shadow_next if entry[0].slot != slot]
         self._waiting.drop(slot)
         self._appended.pop(slot, None)
         self.runner.draft_cache.release(slot)

@@ -89,6 +89,7 @@ def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: t
     return engine
 
 
+SPECULATIONS = ("adaptive", "fixed", "adaptive:shadow", "adaptive:round")  # --speculation's policies
 READ_BACK = "target-only-no-overlap"  # the extra target-only engine of --compare-overlap
 
 
@@ -99,6 +100,9 @@ def _run(artifact_dir: Path, reqs, speculation: str | None, device: str, trace: 
     `trace`: a list that gets adaptive speculation's choice of every step (`Speculator.trace`)."""
     if speculation == READ_BACK:
         speculation, settings = None, tuple(sorted({**dict(settings), "overlap": False}.items()))
+    elif speculation is not None and ":" in speculation:  # adaptive:shadow | adaptive:round (RunConfig.probes)
+        speculation, probes = speculation.split(":")
+        settings = tuple(sorted({**dict(settings), "probes": probes}.items()))
     engine = _engine(artifact_dir, speculation, device, reqs[0].prompt[:8], settings)
     if engine.spec is not None:
         engine.spec.stats = type(engine.spec.stats)()  # the statistics are the run's
@@ -163,7 +167,7 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
         for _ in range(repeats):
             for policy in [None] + ([READ_BACK] if compare_overlap else []) + policies:
                 speculation, art = runs_on.get(policy, (policy, artifact_dir))
-                trace = [] if traces is not None and speculation == "adaptive" else None
+                trace = [] if traces is not None and (speculation or "").startswith("adaptive") else None
                 res, stats, s = _run(art, batch, speculation, device, trace, settings)
                 if trace is not None:
                     traces[name if policy == "adaptive" else f"{name} | {policy}"] = trace
@@ -190,7 +194,8 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
             per_prompt[policy].append({
                 "id": req.id, "prompt_tokens": len(req.prompt), "generated": len(sd[0].tokens),
                 "lossless": ar[0].tokens == sd[0].tokens, "acceptance_length": sd_stats.mean_acceptance_length,
-                "chosen_k_hist": list(sd_stats.chosen_k_hist), "target_only_s": t[None], "dflash_s": t[policy],
+                "chosen_k_hist": list(sd_stats.chosen_k_hist), "shadow_probes": sd_stats.shadow_probes,
+                "target_only_s": t[None], "dflash_s": t[policy],
                 "speedup": t[None] / t[policy], "target_only_runs_s": runs_s[None], "dflash_runs_s": runs_s[policy],
                 "dflash_runs_stalls": stalls[req.id][policy]})
     runs_s, runs = timed(reqs, "batched")
@@ -218,7 +223,8 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
             "batched": {"dflash_tokens_per_s": sum(len(r.tokens) for r in sd) / t[policy],
                         "speedup": t[None] / t[policy],
                         "mean_acceptance_length": sd_stats.mean_acceptance_length, "rounds": sd_stats.rounds,
-                        "chosen_k_hist": list(sd_stats.chosen_k_hist), "dflash_runs_s": runs_s[policy],
+                        "chosen_k_hist": list(sd_stats.chosen_k_hist), "shadow_probes": sd_stats.shadow_probes,
+                        "dflash_runs_s": runs_s[policy],
                         "target_only_runs_s": runs_s[None], "dflash_runs_stalls": stalls["batched"][policy]},
             "single_speedup_median": statistics.median(speedups), "single_speedup_min": min(speedups),
             # The prompts one after another: all target-only time over all DFlash time (a ratio of sums moves
@@ -281,7 +287,9 @@ def main() -> int:
                         "each its own export of the pair with the target float; the first is the drafter of the "
                         "policies' plain names, each other one runs every policy too, in the same rounds, as "
                         "\"<policy> (<scheme> drafter)\" [default: float]")
-    p.add_argument("--speculation", default="adaptive,fixed", help="comma-separated: adaptive, fixed")
+    p.add_argument("--speculation", default="adaptive,fixed",
+                   help="comma-separated: adaptive, fixed, adaptive:shadow, adaptive:round (adaptive with that kind "
+                        "of probes, RunConfig.probes; plain adaptive: the default, round probes) [default: adaptive,fixed]")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per measurement, target-only and DFlash interleaved; the fastest is kept")
     add_overlap_arg(p)
@@ -294,6 +302,9 @@ def main() -> int:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats is {args.repeats}; allowed: an integer >= 1")
+    policies = args.speculation.split(",")
+    if not policies or any(q not in SPECULATIONS or policies.count(q) > 1 for q in policies):
+        p.error(f"--speculation is {args.speculation!r}; allowed: distinct comma-separated {' | '.join(SPECULATIONS)}")
     schemes = args.draft_weights.split(",")
     for scheme in schemes:
         if scheme not in WEIGHT_SCHEMES or schemes.count(scheme) > 1:

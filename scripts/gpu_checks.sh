@@ -43,7 +43,8 @@ for step in "${steps[@]}"; do
         rows) python3 scripts/bench_rows.py --out "$OUT/bench_rows.json" 2>&1 | tee "$OUT/bench_rows.md" ;;
         argmax) python3 scripts/bench_argmax.py --out "$OUT/bench_argmax.json" 2>&1 | tee "$OUT/bench_argmax.md" ;;
         decode) python3 scripts/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.md" ;;
-        eval) python3 scripts/eval_dflash.py --device cuda --compare-overlap --out "$OUT/eval_dflash_cuda.json" \
+        eval) python3 scripts/eval_dflash.py --device cuda --compare-overlap --speculation adaptive,adaptive:shadow,fixed \
+                  --out "$OUT/eval_dflash_cuda.json" \
                   --trace "$OUT/eval_dflash_cuda_trace.json" 2>&1 \
                   | grep -v "Warning\|return cls" | tee "$OUT/eval_dflash_cuda.md" ;;
         eval-drafters) python3 scripts/eval_dflash.py --device cuda --draft-weights float,int8,int4 \

@@ -17,7 +17,8 @@ orders of the prompts (the first: the file's).
 
 Left out: prompt processing (the same with or without DFlash), the engine's step work beyond the host times
 given, and the waiting context rows in the choice (their append is timed; the choice here prices it at zero).
-Estimator settings can be changed for an experiment (`--prior`, `--strength`, `--decay`, `--probe-budget`).
+Estimator settings can be changed for an experiment (`--prior`, `--strength`, `--decay`, `--probe-budget`), and
+how probes run (`--probes shadow|round`).
 The tables are this machine's as measured when the engine starts, or (`--tables`) those an earlier run recorded:
 a machine under other load measures other tables, and its numbers then move with them.
 
@@ -78,11 +79,30 @@ def replay_batch(spec, prompts: list[dict], max_new: int, host: dict[str, float]
     once (prompt processing left out; one prompt: served alone): every step the choice for all sequences still
     decoding, the drafts their texts accept, and the step's time from the tables (`forward` at its rows,
     `draft_block` at the drafting sequences and `draft_append` of their rows committed since they last drafted,
-    plus the host time of its kind); a finished sequence leaves the batch. Target-only runs the same sequences in
-    lockstep. -> both times, the speed-up, the rounds, their acceptance length and the chosen-k histogram."""
+    plus the host time of its kind); a finished sequence leaves the batch. A shadow probe (`RunConfig.probes`)
+    adds `draft_block` at the probing sequences and `draft_append` of their waiting rows to its step, and its
+    drafts are the text's: as many right as a round anchored there accepts, then a wrong one. Target-only runs
+    the same sequences in lockstep. -> both times, the speed-up, the rounds, their acceptance length, the
+    chosen-k histogram and the shadow probes."""
+    import torch
+
     from mg.runtime.scheduler import Request, Sequence
 
     c = spec.costs
+    width = spec.block - 1
+
+    def text_drafts(shadowing: list) -> "torch.Tensor":
+        rows = []
+        for s in shadowing:
+            o, anchor = prompts[s.slot], len(s.tokens) - 1
+            j = anchor - o["prompt_tokens"]
+            right = o["accept"][j] if 0 <= j < len(o["accept"]) else 0
+            ahead = o["text"][anchor + 1:anchor + 1 + width]
+            rows.append([t if i < right else -1 for i, t in enumerate(ahead)] + [-1] * (width - len(ahead)))
+        return torch.tensor(rows, dtype=torch.long)
+
+    spec._shadow_drafts = text_drafts
+    shadows_before = spec.stats.shadow_probes
     seqs, waiting = [], []
     for slot, o in enumerate(prompts):
         n = o["prompt_tokens"]
@@ -96,6 +116,8 @@ def replay_batch(spec, prompts: list[dict], max_new: int, host: dict[str, float]
         if not decode:
             break
         ks = spec.choose([seqs[i] for i in decode], spec.runner.cache.max_write)
+        queued = {id(s) for s in spec.shadow_queue}
+        shadowing = [i for i in decode if id(seqs[i]) in queued]
         drafting = [i for i, k in zip(decode, ks) if k]
         rows = len(decode) + sum(ks)
         calls = c.forward(rows) + (c.draft(len(drafting)) if drafting else 0.0)
@@ -111,13 +133,19 @@ def replay_batch(spec, prompts: list[dict], max_new: int, host: dict[str, float]
             rounds, accepted = rounds + bool(k), accepted + a
             hist.extend([0] * (k + 1 - len(hist)))
             hist[k] += 1
+        if shadowing:  # launched at the step's end, after its rows wait: they are appended first
+            seconds += c.draft(len(shadowing)) + c.append(sum(waiting[i] for i in shadowing))
+            for i in shadowing:
+                waiting[i] = 0
+        spec.end_commits()  # shadow probes launch, and those whose tokens are known are judged
         spec.step_done(calls + kind_host, rows)  # the choice prices appends itself; timed apart above
         for i in decode:
             if seqs[i].n_generated >= max_new:
                 spec.release(seqs[i].slot)
     target_only = (max_new - 1) * (c.forward(len(prompts)) + host["target_only"])
     return {"dflash_s": seconds, "target_only_s": target_only, "speedup": target_only / seconds, "rounds": rounds,
-            "acceptance_length": (accepted + rounds) / rounds if rounds else 0.0, "chosen_k_hist": hist}
+            "acceptance_length": (accepted + rounds) / rounds if rounds else 0.0, "chosen_k_hist": hist,
+            "shadow_probes": spec.stats.shadow_probes - shadows_before}
 
 
 def read_tables(p: argparse.ArgumentParser, path: Path) -> dict[str, dict[int, float]]:
@@ -157,7 +185,8 @@ def summary(results: dict[str, dict]) -> dict:
     s = [r["speedup"] for r in results.values()]
     return {"median": statistics.median(s), "min": min(s), "geomean": math.exp(statistics.mean(map(math.log, s))),
             "total": sum(r["target_only_s"] for r in results.values()) / sum(r["dflash_s"] for r in results.values()),
-            "rounds": sum(r["rounds"] for r in results.values())}
+            "rounds": sum(r["rounds"] for r in results.values()),
+            "shadow_probes": sum(r["shadow_probes"] for r in results.values())}
 
 
 def main() -> int:
@@ -178,6 +207,8 @@ def main() -> int:
     p.add_argument("--strength", type=float, default=None, help="AcceptanceModel strength [default: the runtime's]")
     p.add_argument("--decay", type=float, default=None, help="AcceptanceModel decay [default: the runtime's]")
     p.add_argument("--probe-budget", type=float, default=None, help="PROBE_BUDGET [default: the runtime's]")
+    p.add_argument("--probes", default="round", choices=["shadow", "round"],
+                   help="RunConfig.probes: how a sequence kept at plain steps probes [default: the runtime's, round]")
     p.add_argument("--oracle", type=Path, default=None,
                    help="read the acceptance per position from this JSON (written by an earlier --out) instead of "
                         "computing it")
@@ -221,7 +252,7 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory()  # the export lives as long as the engine reading it
     artifact = load_artifact(eval_dflash._export(args.checkpoint, args.draft_checkpoint, "sequence",
                                                  Path(tmp.name) / "sequence", 1024))
-    engine = Engine(artifact, RunConfig(speculation="adaptive"))  # measures (or reads) the cost tables
+    engine = Engine(artifact, RunConfig(speculation="adaptive", probes=args.probes))  # measures (or reads) the cost tables
     spec = engine.spec
     spec.runner.call_log = None  # no timed calls: the tables stay as measured
     if given_tables is not None:
@@ -271,7 +302,7 @@ def main() -> int:
     print("\n".join(lines))
     settings = {"prior": args.prior, "strength": args.strength, "decay": args.decay, "batch": args.batch,
                 "probe_budget": speculative.PROBE_BUDGET, "host_us": host_us, "passes": args.passes,
-                "max_new_tokens": args.max_new_tokens}
+                "max_new_tokens": args.max_new_tokens, "probes": "shadow" if spec.shadow else "round"}
     args.out.write_text(json.dumps({"settings": settings, "tables": tables, "aggregate": agg, "runs": runs,
                                     "oracle": oracle}) + "\n")
     tmp.cleanup()

@@ -315,7 +315,7 @@ def _round_costs(engine, forward_s: float, round_s: dict) -> CostModel:
 def test_adaptive_chooses_the_round_block_with_the_most_tokens_per_second(tiny_dflash_cell_artifact):
     """Fused rounds hold every member's whole block, so adaptive speculation chooses per step: a plain step or
     a round of one block, all members drafting what they may. The cell artifact fits 3 members in a round of
-    its block 8 (24 rows per call) and 6 in a round of block 4."""
+    its block 8 (24 rows per call) and 6 in a round of block 4. (Probes by rounds here; in the shadow: below.)"""
     engine = Engine(load_artifact(tiny_dflash_cell_artifact), RunConfig(fused_rounds=True))
     spec = engine.spec
     assert [(fr.block, fr.limit) for fr in spec.rounds] == [(8, 3), (4, 6)]
@@ -347,6 +347,28 @@ def test_adaptive_chooses_the_round_block_with_the_most_tokens_per_second(tiny_d
             spec.observe(s, 0, 0)
         steps += 1
     assert 19 <= steps <= 21 and spec._round_now.block == 8 and spec._probing == {0, 1, 2}
+
+
+def test_a_due_probe_in_a_step_that_could_fuse_goes_in_the_shadow_without_a_round(tiny_dflash_cell_artifact):
+    """With shadow probes (`RunConfig.probes`) a probe due in a step that could fuse runs no round: the step stays
+    plain for every member, and the due sequences are queued for a draft call, due once that call's cost (1 ms
+    here, against plain steps of 3000 tok/s) fits PROBE_BUDGET of plain decoding: 3000 x 1 ms / 0.05 = 60 steps."""
+    engine = Engine(load_artifact(tiny_dflash_cell_artifact), RunConfig(fused_rounds=True, probes="shadow"))
+    spec = engine.spec
+    assert spec.shadow
+    seqs = [_seq(i) for i in range(3)]
+    for slot in range(3):  # the drafter is always wrong
+        for _ in range(20):
+            spec.acceptance.observe(slot, 7, 0)
+    spec.costs = _round_costs(engine, 1e-3, {8: 2e-3, 4: 1.5e-3})
+    for steps in range(200):
+        assert spec.choose(seqs, 21) == [0, 0, 0] and spec._round_now is None and not spec._probing
+        if spec.shadow_queue:
+            break
+        for s in seqs:
+            spec.observe(s, 0, 0)
+    assert 59 <= steps <= 61 and [s.slot for s in spec.shadow_queue] == [0, 1, 2]
+    assert spec.choose(seqs, 21) == [0, 0, 0] and len(spec.shadow_queue) == 3  # not due again meanwhile
 
 
 def test_a_plain_step_chosen_with_a_margin_is_kept_for_a_few_steps(tiny_dflash_cell_artifact):

@@ -260,3 +260,29 @@ def test_overlapped_steps_on_cuda_give_the_cpu_tokens(which, graphs, request, re
         engine = _engine(art, dflash, True, eos, device="cuda", graphs=graphs)
         assert _tokens(engine, reqs) == expected_eos and engine.stats.overlapped_steps > 0
         assert all(n == 0 for n in engine.cache.metrics().lengths)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_shadow_probes_on_cuda_with_steps_in_flight_give_the_cpu_tokens(which, request, reference, tiny_cfg,
+                                                                       monkeypatch):
+    """Shadow probes (`RunConfig.probes`), one launched after every judged one: their draft calls and
+    the copies of their drafts to the host ride the stream behind steps in flight; the tokens are the CPU's,
+    the chain of overlapped steps goes on, and every probe is judged."""
+    from mg.runtime import speculative as spec_module
+
+    art = request.getfixturevalue(which)
+    reqs = _requests(_prompts(tiny_cfg.vocab_size))
+    engine = _engine(art, True, True, device="cuda")
+    spec = engine.spec
+    spec.shadow = True  # (`_engine` builds every engine with the default config: round probes)
+    monkeypatch.setattr(spec_module, "PROBE_BUDGET", 1e9)
+    spec.probes = ProbeSchedule(engine.cache.n_slots, start=1, cap=1)
+    observed, observe = [], spec.acceptance.observe
+    spec.acceptance.observe = lambda slot, k, a: (observed.append((k, a)), observe(slot, k, a))
+    assert _tokens(engine, reqs) == reference
+    assert engine.spec_stats.shadow_probes == len(observed) > 0 and engine.spec_stats.rounds == 0
+    assert engine.stats.overlapped_steps > 0 and not spec._shadows
+    assert all(0 <= a <= k < spec.block for k, a in observed)
+    assert engine.spec_stats.shadow_accepted == sum(a for _, a in observed)

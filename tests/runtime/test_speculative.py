@@ -24,6 +24,8 @@ from mg.runtime.speculative import (DRAFTING, FUSED, PLAIN, AcceptanceModel, Cos
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 TARGET_ONLY = RunConfig(dflash=False)
 FIXED = RunConfig(speculation="fixed")
+ROUND_PROBES = RunConfig(probes="round")  # a sequence kept at plain steps probes by drafting in a round
+SHADOW_PROBES = RunConfig(probes="shadow")  # ... by a draft call alone, compared with the tokens that follow
 
 
 def _prompts(vocab):
@@ -476,10 +478,10 @@ def _plain_steps_then_probe(spec, seq, steps: int, probe_s=None) -> list[int]:
     return chosen
 
 
-def _rejecting(tiny_dflash_seq_artifact, costs):
+def _rejecting(tiny_dflash_seq_artifact, costs, config=ROUND_PROBES):
     """A speculator whose drafts were rejected many times (drafting never pays by the estimates), timed by
     `costs` alone (no timed calls)."""
-    engine = _engine(tiny_dflash_seq_artifact)
+    engine = _engine(tiny_dflash_seq_artifact, config)
     spec, seq = engine.spec, _seq(0)
     engine.runner.call_log = None
     spec.costs = costs
@@ -522,7 +524,7 @@ def test_a_probe_waits_for_a_step_without_prompt_chunks_where_rounds_fuse(tiny_d
     """A probe that falls due in a step with prompt chunks runs in the next step without them, as a fused round
     (the prompt step would run it as separate calls); without fused rounds it rides the prompt step as before."""
     for fused in (True, False):
-        engine = _engine(tiny_dflash_seq_artifact, RunConfig(fused_rounds=fused))
+        engine = _engine(tiny_dflash_seq_artifact, RunConfig(fused_rounds=fused, probes="round"))
         spec, seq = engine.spec, _seq(0)
         engine.runner.call_log = None
         costs = _costs(forward_per_row=5e-5, draft=1e-4)
@@ -558,6 +560,124 @@ def test_a_probe_waits_for_a_step_without_prompt_chunks_where_rounds_fuse(tiny_d
         else:
             ks = spec.choose([seq], 20, prefill=True)
             assert ks[0] > 0 and spec._probing == {seq.slot}  # no fused round to wait for: it rides the step
+
+
+def _shadows_everywhere(engine, monkeypatch) -> list:
+    """Make `engine` keep every sequence at plain steps and probe in the shadow whenever it may (every step once
+    the last probe is judged); -> a list that gets, per shadow launched, (request id, anchor position, the
+    sequence's n_cached then, its drafts)."""
+    spec = engine.spec
+    monkeypatch.setattr(spec_module, "PROBE_BUDGET", 1e9)
+    spec.probes = ProbeSchedule(engine.cache.n_slots, start=1, cap=1)
+    spec._best_drafts = lambda decode, limits, rows_left: [0] * len(decode)
+    launched, drafts_of = [], spec._shadow_drafts
+
+    def recorded(seqs):
+        out = drafts_of(seqs)
+        for seq, row in zip(seqs, out.tolist()):
+            launched.append((seq.request.id, len(seq.tokens) - 1, seq.n_cached, row))
+        return out
+
+    spec._shadow_drafts = recorded
+    return launched
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_shadow_probes_observe_what_a_round_there_would_accept(which, request, tiny_cfg, monkeypatch):
+    """A shadow probe observes what greedy acceptance of its drafts would take: the longest prefix equal to the
+    tokens that followed its anchor (fewer compared where the sequence ended first). A drafter that knows the
+    output proposes (anchor mod 4) right tokens, then wrong ones; the output stays target-only's."""
+    art = request.getfixturevalue(which)
+    reqs = _requests(_prompts(tiny_cfg.vocab_size)[1:4], 30, ignore_eos=True)
+    reference = _tokens(_engine(art, TARGET_ONLY), reqs)
+    text = {r.id: list(r.prompt) + list(o) for r, o in zip(reqs, reference)}
+    engine = _engine(art, SHADOW_PROBES)
+    spec, observed = engine.spec, []
+    width, vocab = spec.block - 1, tiny_cfg.vocab_size
+
+    def knowing(seqs, anchors):
+        rows = []
+        for seq, anchor in zip(seqs, anchors):
+            ahead = text[seq.request.id][anchor + 1:anchor + 1 + width]
+            right = anchor % 4
+            rows.append([t if j < right else (t + 1) % vocab for j, t in enumerate(ahead)] + [0] * (width - len(ahead)))
+        return torch.tensor(rows)
+
+    spec.proposer.block_at = knowing
+    launched = _shadows_everywhere(engine, monkeypatch)
+    observe = spec.acceptance.observe
+    spec.acceptance.observe = lambda slot, k, accepted: (observed.append((k, accepted)), observe(slot, k, accepted))
+    assert _tokens(engine, reqs) == reference
+    assert engine.spec_stats.rounds == 0 and engine.spec_stats.shadow_probes == len(launched) >= 6
+    want = []
+    for rid, anchor, n_cached, _ in launched:
+        assert anchor == n_cached  # nothing in flight without overlap: anchored at the pending token
+        compared = len(text[rid][anchor + 1:anchor + 1 + width])
+        want.append((compared, min(anchor % 4, compared)))
+    assert sorted(observed) == sorted(want) and any(a for _, a in want) and any(k < width for k, _ in want)
+    assert engine.spec_stats.shadow_accepted == sum(a for _, a in want)
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_shadow_probe_drafts_ignore_context_rows_past_their_anchor(which, request, tiny_cfg):
+    """A shadow probe launched while a step is in flight appends that step's rows too (the drafter's context
+    then runs past its anchor): the drafts depend only on the rows before the anchor."""
+    art = request.getfixturevalue(which)
+    engine = _engine(art)
+    spec = engine.spec
+    spec.choose = lambda decode, rows_left, prefill=False: [0] * len(decode)
+    engine.submit(_requests(_prompts(tiny_cfg.vocab_size)[2:3], 20, ignore_eos=True)[0])
+    for _ in range(4):
+        engine.step()
+    seq = engine.scheduler.running[0]
+    spec._append_rows([seq.slot])
+    anchor = seq.n_cached
+    before = spec.proposer.block_at([seq], [anchor]).tolist()
+    engine.step()  # one more committed row, at the anchor's position, appended below
+    spec._append_rows([seq.slot])
+    assert spec.context_length(seq.slot) == anchor + 1
+    then = type("Then", (), {"tokens": seq.tokens[:anchor + 1], "slot": seq.slot})()
+    assert spec.proposer.block_at([then], [anchor]).tolist() == before
+
+
+@pytest.mark.parametrize("which", LAYOUTS)
+def test_shadow_probes_with_steps_in_flight_keep_greedy_output(which, request, tiny_cfg, monkeypatch):
+    """Overlapped plain steps (on the CPU too when asked): shadow probes launch with a step in flight, anchored
+    at the last token the host has; their drafts are those of a block anchored there in an engine with nothing
+    in flight, each probe is judged, and the output is target-only's."""
+    art = request.getfixturevalue(which)
+    reqs = _requests(_prompts(tiny_cfg.vocab_size)[1:4], 30, ignore_eos=True)
+    engine = _engine(art, RunConfig(overlap=True, probes="shadow"))
+    launched = _shadows_everywhere(engine, monkeypatch)
+    assert _tokens(engine, reqs) == _tokens(_engine(art, TARGET_ONLY), reqs)
+    assert engine.stats.overlapped_steps > 0 and engine.spec_stats.rounds == 0
+    assert any(anchor < n_cached for _, anchor, n_cached, _ in launched)  # a step was in flight
+    assert engine.spec_stats.shadow_probes == len(launched) and not engine.spec._shadows  # all judged
+    # The reference: plain steps read back at once; after each, the block anchored at each sequence's last token.
+    ref_engine = _engine(art, RunConfig(overlap=False))
+    spec, wanted, reference = ref_engine.spec, {(rid, anchor) for rid, anchor, _, _ in launched}, {}
+    spec.choose = lambda decode, rows_left, prefill=False: [0] * len(decode)
+    end_commits = spec.end_commits
+
+    def drafting_where_wanted():
+        end_commits()
+        for seq in ref_engine.scheduler.running:
+            key = (seq.request.id, len(seq.tokens) - 1)
+            if key in wanted:
+                spec._append_rows([seq.slot])
+                reference[key] = spec.proposer.block_at([seq], [key[1]]).tolist()[0]
+
+    spec.end_commits = drafting_where_wanted
+    _tokens(ref_engine, reqs)
+    compared = [(drafts, reference[(rid, anchor)]) for rid, anchor, _, drafts in launched if (rid, anchor) in reference]
+    assert len(compared) >= len(launched) - len(reqs) and all(got == want for got, want in compared)
+
+
+def test_probes_setting_is_checked_and_round_probes_are_the_default():
+    with pytest.raises(ValueError, match="probes is 'sometimes'; allowed: shadow | round"):
+        RunConfig(probes="sometimes")
+    assert not RunConfig().shadow_probes and not RunConfig(device="cuda").shadow_probes
+    assert RunConfig(probes="shadow").shadow_probes and RunConfig(device="cuda", probes="shadow").shadow_probes
 
 
 def test_cost_model_interpolates_and_corrects_online():

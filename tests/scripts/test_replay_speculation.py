@@ -78,6 +78,28 @@ def test_replay_drafts_where_the_text_is_predictable_and_commits_exactly_the_bud
     assert good["target_only_s"] == bad["target_only_s"] == pytest.approx((MAX_NEW - 1) * (1.1e-3 + 30e-6))
 
 
+def test_replayed_shadow_probes_observe_the_texts_acceptance_and_find_a_predictable_stretch(tiny_dflash_seq_artifact):
+    """With shadow probes a sequence the estimates keep at plain steps probes by a draft call whose drafts are the
+    text's (as many right as a round there accepts); each observes exactly that, and a text that turns
+    predictable halfway is found: rounds follow, and the tokens committed are exactly the budget."""
+    engine = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig(speculation="adaptive", probes="shadow"))
+    s = engine.spec
+    s.runner.call_log = None
+    sizes = (1, 2, 4, 8, 16, 24)
+    s.costs = CostModel({n: 1e-3 + 1e-4 * n for n in sizes}, {b: 2e-4 for b in (1, 2, 3)}, {m: 2e-5 for m in sizes},
+                        padded=False)
+    rs.fresh_estimates(s, None, None, None)
+    for _ in range(30):  # estimates that learnt the drafter is always wrong
+        s.acceptance.observe(0, 7, 0)
+    later = _oracle(lambda i, avail: 0 if i < MAX_NEW // 3 else avail)
+    observed, observe = [], s.acceptance.observe
+    s.acceptance.observe = lambda slot, k, a: (observed.append((k, a)), observe(slot, k, a))
+    result = rs.replay_batch(s, [later], MAX_NEW, HOST)
+    assert result["shadow_probes"] >= 1 and result["rounds"] > 0 and _commits(result) == MAX_NEW - 1
+    shadows = observed[:result["shadow_probes"]]  # (the first observations: rounds come after a shadow's verdict)
+    assert shadows[0] == (7, 0) and any(a > 0 for _, a in shadows)
+
+
 def test_a_replayed_batch_drafts_where_the_texts_are_predictable(spec):
     every = [_oracle(lambda i, avail: avail) for _ in range(3)]
     good = rs.replay_batch(spec, every, MAX_NEW, HOST)
