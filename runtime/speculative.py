@@ -39,8 +39,9 @@ towards a prior. A sequence kept at k = 0 still probes with a full round now
 and then (`ProbeSchedule`: a few drafts, or as many as ride free in the
 step's bucket; the wait doubles after each probe that did not pay, and is
 never shorter than keeps probing within PROBE_BUDGET of the sequence's plain
-decoding time, by the probe's predicted and then measured cost), so it
-notices when the text becomes predictable again. A greedy sequence may probe
+decoding time, by the probe's predicted and then measured cost: a first
+probe's prediction is scaled by how far earlier probes of the program took
+longer than predicted), so it notices when the text becomes predictable again. A greedy sequence may probe
 in the shadow instead: one `draft_block` call for it
 alone, left in flight after the step, whose drafts are compared with the
 tokens the target's next steps make, which is exactly what a round anchored
@@ -424,6 +425,22 @@ class CostModel:
         own = self._median((kind, b), plain)
         return max(own, plain) if kind == DRAFTING else own
 
+    def probe_overrun(self) -> float:
+        """How many times its predicted extra seconds a probe has taken: the median of the last probes judged (by
+        any engine of the program), within [1, PROBE_OVERRUN_MAX]; 1 before any. A sequence's first probe is
+        priced by it (the probe's own measured cost sets its later waits): a probe's round waits for the step
+        in flight and appends context the sequence would not have appended otherwise, which the tables of
+        blank calls do not hold (on an H100, a round probe of one sequence took 1.3-1.6 ms against about 0.65
+        predicted)."""
+        count, median = self._host.probe_overrun.median()
+        return min(max(median, 1.0), PROBE_OVERRUN_MAX) if count else 1.0
+
+    def record_probe(self, measured_extra: float, predicted_extra: float) -> None:
+        """A probe's step took `measured_extra` seconds more than a plain step, where `predicted_extra` was
+        predicted (`probe_overrun`)."""
+        if predicted_extra > 0:
+            self._host.probe_overrun.append(measured_extra / predicted_extra, 0)
+
     def _median(self, key: tuple, unseen: float) -> float:
         """The window's median; until it holds `min_samples` steps, no more than the unseen price (the first
         steps of a kind carry lazy work, and a kind priced high by them might never be chosen again)."""
@@ -470,6 +487,7 @@ class HostWork:
     def __init__(self):
         self.windows: dict[tuple, _Window] = {}
         self.clock: collections.Counter = collections.Counter()
+        self.probe_overrun = _Window(9)  # judged probes' measured over predicted extra seconds (`CostModel`)
 
 
 class _Window:
@@ -519,6 +537,7 @@ PROBE_WAIT = 8  # steps in a row with prompt chunks during which due probes wait
 _NONE: frozenset = frozenset()  # no slot probes this step
 STALL_RATIO = 2.0  # a plain step timed above this many times a plain step's price is a stall (CostModel.record)
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
+PROBE_OVERRUN_MAX = 4.0  # a probe's price is never scaled by more than this (CostModel.probe_overrun)
 WAITING_BYTES = 256 << 20  # committed hidden rows waiting for the drafter, all slots together, at most about this
 
 
@@ -715,6 +734,7 @@ class Speculator:
         # A greedy sequence probes in the shadow instead (module docstring): a draft call, no verify rows, due
         # by the draft call's cost; whether a round with what it accepts would have paid is priced as a probe.
         shadow_floor = rate * c.draft(1) / PROBE_BUDGET if self.shadow else 0.0
+        overrun = c.probe_overrun()
         for share in (1.0, 0.5):
             if share < 1.0 and not any(ks):
                 break
@@ -734,7 +754,7 @@ class Speculator:
                 rows, b = n + sum(ks), sum(1 for k in ks if k)
                 k = min(limits[i], rows_left, self._probe_rows(rows))
                 extra = self._step_cost(n, rows - n + k, b + 1) - self._step_cost(n, rows - n, b)
-                if self.probes.due(s.slot, share, floor=rate * extra / PROBE_BUDGET):
+                if self.probes.due(s.slot, share, floor=rate * extra * overrun / PROBE_BUDGET):
                     ks[i] = k
                     rows_left -= k
                     self._probing.add(s.slot)
@@ -791,7 +811,7 @@ class Speculator:
                 if self.trace is not None and self._shadow_next:
                     self.trace[-1]["shadows"] = len(self._shadow_next)
             else:
-                floor = rate * share / PROBE_BUDGET
+                floor = rate * share * c.probe_overrun() / PROBE_BUDGET
                 self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=floor)}
             if not self._probing:
                 if best_rate <= KEEP_MARGIN * rate:
@@ -898,6 +918,7 @@ class Speculator:
         plain_s = c.forward(n) + c.residual(PLAIN, n) + c.append(self._flushed)
         over = measured_s - plain_s
         predicted = sum(self._extra.values())
+        c.record_probe(over, predicted)
         for slot, accepted in self._probed.items():
             extra = self._extra[slot]
             if predicted > 0:
@@ -952,8 +973,8 @@ class Speculator:
                 if stall:
                     self.trace[-1]["stall"] = True
         if self._probed:
-            if timed:
-                self._judge_probes(measured_s)
+            if timed:  # a probe's own context append is its cost: the sequence would not have appended it now
+                self._judge_probes(measured_s + self._append_host)
             self._probed = {}
         if c is not None and log is not None:
             for method, n, seconds in log:

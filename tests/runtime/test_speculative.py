@@ -509,6 +509,29 @@ def test_probes_stay_within_their_budget_of_plain_decoding(tiny_dflash_seq_artif
     assert chosen.index(4) == 8 and chosen.count(4) == 1  # by the prediction alone the next came 16 later
 
 
+def test_a_first_probe_is_priced_by_how_far_earlier_probes_overran_their_prediction(tiny_dflash_seq_artifact):
+    """A probe whose step took far longer than predicted (its context append, the wait for the step in flight:
+    what blank-call tables miss) makes the next sequence's first probe wait accordingly (at most
+    PROBE_OVERRUN_MAX times its predicted floor), not only its own next one."""
+    costs = _costs(forward_per_row=5e-5, draft=1e-4)
+    assert costs.probe_overrun() == 1.0
+    spec, seq = _rejecting(tiny_dflash_seq_artifact, costs)
+    chosen = _plain_steps_then_probe(spec, seq, 9)
+    assert chosen.index(4) == 8  # its floor, 5.7 steps (1.05 ms plain steps, 0.3 ms over one), under the wait's 8
+    assert costs.probe_overrun() == pytest.approx(1.0)  # a probe timed as predicted
+    spec, first = _rejecting(tiny_dflash_seq_artifact, costs)
+    _plain_steps_then_probe(spec, first, 9, probe_s=0.021)  # 20 ms over a plain step, where 0.3 ms was predicted
+    assert costs.probe_overrun() == spec_module.PROBE_OVERRUN_MAX  # (the median of 1 and 66.5, at most 4)
+    spec, other = _rejecting(tiny_dflash_seq_artifact, costs)
+    other = _seq(1)
+    for _ in range(30):
+        spec.acceptance.observe(other.slot, 4, 0)
+    chosen = _plain_steps_then_probe(spec, other, 40)
+    assert 22 <= chosen.index(4) <= 24  # 4 x 5.7 steps
+    spec.costs.record_probe(0.5e-4, 1e-4)  # probes faster than predicted never make probing more frequent
+    assert spec.costs.probe_overrun() >= 1.0
+
+
 def _plain_until_probe_due(spec, seq, most: int = 1000) -> None:
     """Plain steps of `seq` (each chosen so) until its probe is due; fails after `most`."""
     for _ in range(most):
