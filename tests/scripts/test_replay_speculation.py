@@ -32,11 +32,10 @@ def _load_script():
 rs = _load_script()
 
 
-@pytest.fixture()
-def spec(tiny_dflash_seq_artifact):
+def _fixed_spec(artifact, probes: str = "round"):
     """The speculator of an adaptive engine, priced by fixed tables (a 1 ms step, 0.1 ms per row, a 0.2 ms draft
     call): the same choices on every machine."""
-    engine = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig(speculation="adaptive"))
+    engine = Engine(load_artifact(artifact), RunConfig(speculation="adaptive", probes=probes))
     s = engine.spec
     s.runner.call_log = None
     sizes = (1, 2, 4, 8, 16, 24)
@@ -44,6 +43,11 @@ def spec(tiny_dflash_seq_artifact):
                         padded=False)
     rs.fresh_estimates(s, None, None, None)
     return s
+
+
+@pytest.fixture()
+def spec(tiny_dflash_seq_artifact):
+    return _fixed_spec(tiny_dflash_seq_artifact)
 
 
 def _oracle(accepts):
@@ -82,13 +86,7 @@ def test_replayed_shadow_probes_observe_the_texts_acceptance_and_find_a_predicta
     """With shadow probes a sequence the estimates keep at plain steps probes by a draft call whose drafts are the
     text's (as many right as a round there accepts); each observes exactly that, and a text that turns
     predictable halfway is found: rounds follow, and the tokens committed are exactly the budget."""
-    engine = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig(speculation="adaptive", probes="shadow"))
-    s = engine.spec
-    s.runner.call_log = None
-    sizes = (1, 2, 4, 8, 16, 24)
-    s.costs = CostModel({n: 1e-3 + 1e-4 * n for n in sizes}, {b: 2e-4 for b in (1, 2, 3)}, {m: 2e-5 for m in sizes},
-                        padded=False)
-    rs.fresh_estimates(s, None, None, None)
+    s = _fixed_spec(tiny_dflash_seq_artifact, probes="shadow")
     for _ in range(30):  # estimates that learnt the drafter is always wrong
         s.acceptance.observe(0, 7, 0)
     later = _oracle(lambda i, avail: 0 if i < MAX_NEW // 3 else avail)
