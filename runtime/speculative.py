@@ -88,6 +88,7 @@ import functools
 import hashlib
 import heapq
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,8 @@ from mg.manifests.values import cache_root, write_cache_file
 from .config import SPECULATION_FIXED, RunConfig
 from .fused_round import FusedRound, Member
 from .model_runner import HiddenSink, ModelRunner, to_device
+
+log = logging.getLogger("mg.runtime")
 
 
 class DFlashError(ValueError):
@@ -427,18 +430,19 @@ class CostModel:
 
     def probe_overrun(self) -> float:
         """How many times its predicted extra seconds a probe has taken: the median of the last probes judged (by
-        any engine of the program), within [1, PROBE_OVERRUN_MAX]; 1 before any. A sequence's first probe is
-        priced by it (the probe's own measured cost sets its later waits): a probe's round waits for the step
+        any engine of the program), within [1, PROBE_OVERRUN_MAX]; 1 before any. A probe's predicted price is
+        scaled by it (a sequence's own measured probe cost sets a floor of its own too): a probe's round waits for the step
         in flight and appends context the sequence would not have appended otherwise, which the tables of
         blank calls do not hold (on an H100, a round probe of one sequence took 1.3-1.6 ms against about 0.65
         predicted)."""
         count, median = self._host.probe_overrun.median()
         return min(max(median, 1.0), PROBE_OVERRUN_MAX) if count else 1.0
 
-    def record_probe(self, measured_extra: float, predicted_extra: float) -> None:
-        """A probe's step took `measured_extra` seconds more than a plain step, where `predicted_extra` was
-        predicted (`probe_overrun`)."""
-        if predicted_extra > 0:
+    def record_probe(self, measured_extra: float, predicted_extra: float, plain_s: float) -> None:
+        """A probe's step took `measured_extra` seconds more than a plain step (predicted at `plain_s`), where
+        `predicted_extra` was predicted (`probe_overrun`). A probe predicted at under a quarter of a plain step
+        is no sample: its ratio would be the plain step's own noise over a few microseconds."""
+        if predicted_extra > 0.25 * plain_s:
             self._host.probe_overrun.append(measured_extra / predicted_extra, 0)
 
     def _median(self, key: tuple, unseen: float) -> float:
@@ -549,8 +553,9 @@ def flush_rows(append_rows: int, n_slots: int, row_bytes: int) -> int:
     return max(append_rows, min(4 * append_rows, WAITING_BYTES // max(1, n_slots * row_bytes)))
 
 _COST_TABLES: dict[tuple, tuple] = {}  # (program digest, device, graphs, padded, triton) -> measured tables
-# What engines of one process on the same program learn online and share: host work per kind of step (by the
-# cost tables' key) and the drafter's global acceptance counts (by program and block).
+# What engines of one process on the same program learn online and share: host work per kind of step and probes'
+# overrun (by the cost tables' key and the kind of probes: a shadow probe's device time lands in the next plain
+# step) and the drafter's global acceptance counts (by program and block).
 _HOST_WORK: dict[tuple, HostWork] = {}
 _GLOBAL_ACCEPTANCE: dict[tuple, tuple[list, list]] = {}
 
@@ -615,7 +620,8 @@ class _Shadow:
     k: int  # drafts to compare, at most
     drafts: torch.Tensor  # [>= k] on the host once `ready` has passed
     ready: Optional["torch.cuda.Event"]  # recorded after the drafts' copy to the host (CUDA)
-    need: float  # accepted drafts with which a round would have paid (`ProbeSchedule.probed`)
+    need: float  # accepted drafts with which a round of `rows` drafts would have paid (`ProbeSchedule.probed`)
+    rows: int  # that round's drafts
     floor: float  # the wait, in plain steps, its cost asks for within PROBE_BUDGET
 
 
@@ -652,10 +658,11 @@ class Speculator:
         self._plain_rate = 0.0  # a plain step's tokens per second, as predicted when the round was chosen
         self._probed: dict[int, int] = {}  # slot -> drafts its probe had accepted, until the step is timed
         self._append_host = 0.0  # host seconds of this step's context appends outside the tables' calls
+        self._draft_append_host = 0.0  # of those, the appends before this step's drafts (a probe's cost)
         self._released = False  # a sequence finished or was cancelled since the last timed step
         # Shadow probes (module docstring): greedy sequences with the artifact's drafter, adaptive speculation.
         self.shadow = self.adaptive and config.shadow_probes and proposer is None
-        self._shadow_next: list[tuple] = []  # (sequence, need, floor) chosen this step, launched at its end
+        self._shadow_next: list[tuple] = []  # (sequence, need, floor, rows) chosen this step, launched at its end
         self._shadows: dict[int, _Shadow] = {}  # slot -> its shadow probe in flight
         # Greedy rounds as one fused call (one CUDA graph): with the artifact's drafter only. Adaptive
         # speculation also has rounds of smaller blocks to choose from: cheaper, and more sequences fit one.
@@ -684,7 +691,7 @@ class Speculator:
     @property
     def shadow_queue(self) -> list:
         """The sequences whose shadow probe `choose` queued this step (launched at its end: `end_commits`)."""
-        return [seq for seq, _, _ in self._shadow_next]
+        return [entry[0] for entry in self._shadow_next]
 
     # ------------------------------------------------------------------ 1. choose
 
@@ -747,7 +754,7 @@ class Speculator:
                         rows, b = n + sum(ks), sum(1 for k in ks if k)
                         k = min(limits[i], self._probe_rows(rows))
                         extra = self._step_cost(n, rows - n + k, b + 1) - self._step_cost(n, rows - n, b)
-                        self._queue_shadow(s, rate * extra, shadow_floor)
+                        self._queue_shadow(s, rate * extra, shadow_floor, k)
                     continue
                 if wait or rows_left <= 0:
                     continue  # (every probe due at share 1.0 is due at 0.5: they join a step that drafts anyway)
@@ -807,7 +814,7 @@ class Speculator:
                 floor = rate * c.draft(1) / PROBE_BUDGET
                 for s, k in zip(decode, ks):
                     if k and s.slot not in self._shadows and self.probes.due(s.slot, 1.0, floor=floor):
-                        self._queue_shadow(s, rate * share, floor)
+                        self._queue_shadow(s, rate * share, floor, k)
                 if self.trace is not None and self._shadow_next:
                     self.trace[-1]["shadows"] = len(self._shadow_next)
             else:
@@ -918,7 +925,7 @@ class Speculator:
         plain_s = c.forward(n) + c.residual(PLAIN, n) + c.append(self._flushed)
         over = measured_s - plain_s
         predicted = sum(self._extra.values())
-        c.record_probe(over, predicted)
+        c.record_probe(over, predicted, plain_s)
         for slot, accepted in self._probed.items():
             extra = self._extra[slot]
             if predicted > 0:
@@ -939,7 +946,8 @@ class Speculator:
                     *(fr.measure() for fr in self.rounds)))
             _COST_TABLES[key] = tables
         forward, draft, append, *rounds = _COST_TABLES[key]
-        return CostModel(forward, draft, append, padded=cfg.padded, host_work=_HOST_WORK.setdefault(key, HostWork()),
+        host_work = _HOST_WORK.setdefault((key, cfg.probes), HostWork())
+        return CostModel(forward, draft, append, padded=cfg.padded, host_work=host_work,
                          rounds={fr.name: table for fr, table in zip(self.rounds, rounds)})
 
     def step_done(self, measured_s: float, rows: int, prefill: bool = False) -> None:
@@ -974,7 +982,7 @@ class Speculator:
                     self.trace[-1]["stall"] = True
         if self._probed:
             if timed:  # a probe's own context append is its cost: the sequence would not have appended it now
-                self._judge_probes(measured_s + self._append_host)
+                self._judge_probes(measured_s + self._draft_append_host)
             self._probed = {}
         if c is not None and log is not None:
             for method, n, seconds in log:
@@ -982,7 +990,7 @@ class Speculator:
         if log is not None:
             log.clear()
         self._prediction, self._flushed, self._fused_n = None, 0, 0
-        self._append_host, self._released = 0.0, False
+        self._append_host, self._draft_append_host, self._released = 0.0, 0.0, False
 
     # ------------------------------------------------------------------ 2. propose
 
@@ -996,7 +1004,7 @@ class Speculator:
         live = [(s, k) for s, k in zip(decode, ks) if k > 0]
         for k in ks:
             _bump(hist, k)
-        self._append_waiting([s.slot for s, _ in live])
+        self._append_waiting([s.slot for s, _ in live], drafting=True)
         self._check_context([s for s, _ in live])
         drafts = self.proposer.propose([s for s, _ in live], [k for _, k in live])
         device = self.runner.device
@@ -1032,7 +1040,7 @@ class Speculator:
         for k in ks:
             _bump(self.stats.chosen_k_hist, k)
         drafting = [s for s, k in zip(decode, ks) if k > 0]
-        self._append_waiting([s.slot for s in drafting])
+        self._append_waiting([s.slot for s in drafting], drafting=True)
         self._check_context(drafting)
         self._fused_n = len(decode)
         return self._round_now.run([Member(s.tokens[-1], s.n_cached, s.slot, k) for s, k in zip(decode, ks)])
@@ -1057,7 +1065,12 @@ class Speculator:
         takes its full size now, so that the graphs captured next stay valid whatever the batch (with CUDA
         graphs only: elsewhere it keeps growing with the sequences served at once)."""
         if self.runner.config.graphs:
-            self._waiting.grow_to_all_slots()
+            try:
+                self._waiting.grow_to_all_slots()
+            except torch.OutOfMemoryError:
+                log.warning(f"mg-run: not enough {self.runner.device} memory for the drafter's waiting context rows "
+                            f"of all {self.runner.cache.n_slots} sequences at once; the buffer grows with the "
+                            f"sequences served, and CUDA graphs are captured again after each growth")
 
     def warm_up(self) -> None:
         """Capture the fused rounds' graphs now (nothing to do without fused rounds or without graphs)."""
@@ -1136,10 +1149,11 @@ class Speculator:
 
     # ------------------------------------------------------------------ 3'. shadow probes (module docstring)
 
-    def _queue_shadow(self, seq, need: float, floor: float) -> None:
+    def _queue_shadow(self, seq, need: float, floor: float, rows: int) -> None:
         """`seq` probes in the shadow at the end of this step (`end_commits`); `need`: the accepted drafts with
-        which a round would have paid; `floor`: the wait the draft call's cost asks for within PROBE_BUDGET."""
-        self._shadow_next.append((seq, need, floor))
+        which a round of `rows` drafts would have paid; `floor`: the wait the draft call's cost asks for within
+        PROBE_BUDGET."""
+        self._shadow_next.append((seq, need, floor, rows))
         self.probes.drafted(seq.slot)  # its wait starts again now; the outcome sets the next one
 
     def _launch_shadows(self) -> None:
@@ -1149,10 +1163,10 @@ class Speculator:
         is queued, not waited for. Its host time is kept out of the step's, as a context append's."""
         queued, self._shadow_next = self._shadow_next, []
         live = []
-        for seq, need, floor in queued:
+        for seq, need, floor, rows in queued:
             k = min(self.block - 1, seq.request.max_new_tokens - seq.n_generated)  # tokens still to come
             if seq.finish_reason is None and k > 0 and seq.slot not in self._shadows:
-                live.append((seq, k, need, floor))
+                live.append((seq, k, need, floor, rows))
         if not live:
             return
         t0, log = time.perf_counter(), self.runner.call_log
@@ -1168,8 +1182,8 @@ class Speculator:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(drafts.device))
                 drafts = host
-            for i, (seq, k, need, floor) in enumerate(live):
-                self._shadows[seq.slot] = _Shadow(seq, len(seq.tokens), k, drafts[i], ready, need, floor)
+            for i, (seq, k, need, floor, rows) in enumerate(live):
+                self._shadows[seq.slot] = _Shadow(seq, len(seq.tokens), k, drafts[i], ready, need, rows, floor)
             self.stats.shadow_probes += len(live)
         finally:
             inside = sum(seconds for _, _, seconds in log[logged:]) if log is not None else 0.0
@@ -1187,7 +1201,7 @@ class Speculator:
         if not got:
             return
         if sh.ready is not None:
-            sh.ready.synchronize()  # (long done: the steps that made `got` came after it)
+            sh.ready.synchronize()  # (done, or nearly: the steps that made `got` were queued after it)
         accepted = 0
         for draft, token in zip(sh.drafts[:len(got)].tolist(), got):
             if draft != token:
@@ -1195,7 +1209,7 @@ class Speculator:
             accepted += 1
         slot = sh.seq.slot
         self.acceptance.observe(slot, len(got), accepted)
-        paid = accepted > 0 and accepted >= sh.need
+        paid = accepted > 0 and min(accepted, sh.rows) >= sh.need  # (a round of `rows` drafts takes no more)
         self.probes.probed(slot, paid, 0.0 if paid else sh.floor)
         self.stats.shadow_accepted += accepted
 
@@ -1230,8 +1244,9 @@ class Speculator:
                 raise RuntimeError(f"draft context of slot {s.slot} holds {self._appended.get(s.slot, 0)} "
                                    f"positions; the sequence has {s.n_cached} committed")
 
-    def _append_waiting(self, slots: list[int]) -> int:
+    def _append_waiting(self, slots: list[int], drafting: bool = False) -> int:
         """Append the waiting context rows of `slots` (one gather, then `draft_append` calls); returns how many.
+        `drafting`: before their drafts (a probe's judgement counts it: `_draft_append_host`), not a flush.
         Its host time is kept apart from the step's (`step_done`): on CPU outside the timed calls (whose times
         are the prediction's), on CUDA all of it (the calls' blank-input table times stay in the prediction,
         so such a step's host work is learnt low by about their host share; an append of rows on the cell
@@ -1242,7 +1257,10 @@ class Speculator:
             return self._append_rows(slots)
         finally:
             inside = sum(seconds for _, _, seconds in log[logged:]) if log is not None else 0.0
-            self._append_host += time.perf_counter() - t0 - inside
+            host = time.perf_counter() - t0 - inside
+            self._append_host += host
+            if drafting:
+                self._draft_append_host += host
 
     def _append_rows(self, slots: list[int]) -> int:
         positions, seq_slots, taken = [], [], []
