@@ -77,8 +77,8 @@ class RunConfig:
     compares the drafts with the tokens the target's next steps make (what a round would have accepted, for
     one draft call: no verify rows, no round for the other sequences of a batch, no wait for a step in
     flight); "round" (default) drafts and verifies in a round (a probe that accepts commits its tokens).
-    Shadow probes found more of the prompts the drafter serves on an H100 (1.08-1.41x on 7 prompts, round
-    probes 0.91-1.18x) but each cost about 0.7 ms of host time there (the context append's and the draft
+    Shadow probes found more of the prompts the drafter serves on an H100 (1.08-1.40x on 7 prompts, round
+    probes 0.91-1.17x) but each cost about 0.7 ms of host time there (the context append's and the draft
     call's paths), so the single-prompt median fell to 0.91-0.93x and batches to 0.90-0.92x, against 0.96-0.99x
     with round probes (BENCHMARKS.md); on the CPU a round probe's verify rows cost less than the draft call
     it needs either way. Sampled sequences always probe by rounds."""
