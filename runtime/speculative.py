@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import functools
 import hashlib
 import heapq
@@ -431,9 +432,9 @@ class CostModel:
     def probe_overrun(self) -> float:
         """How many times its predicted extra seconds a probe has taken: the median of the last probes judged (by
         any engine of the program), within [1, PROBE_OVERRUN_MAX]; 1 before any. A probe's predicted price is
-        scaled by it (a sequence's own measured probe cost sets a floor of its own too): a probe's round waits for the step
-        in flight and appends context the sequence would not have appended otherwise, which the tables of
-        blank calls do not hold (on an H100, a round probe of one sequence took 1.3-1.6 ms against about 0.65
+        scaled by it (a sequence's own measured probe cost sets a floor of its own too): a probe's round waits
+        for the step in flight and appends context the sequence would not have appended otherwise, which the
+        tables of blank calls do not hold (on an H100, a round probe of one sequence took 1.3-1.6 ms against about 0.65
         predicted)."""
         count, median = self._host.probe_overrun.median()
         return min(max(median, 1.0), PROBE_OVERRUN_MAX) if count else 1.0
@@ -740,7 +741,7 @@ class Speculator:
         # PROBE_WAIT such steps in a row (prompts admitted back to back) the probe rides the prompt step.
         # A greedy sequence probes in the shadow instead (module docstring): a draft call, no verify rows, due
         # by the draft call's cost; whether a round with what it accepts would have paid is priced as a probe.
-        shadow_floor = rate * c.draft(1) / PROBE_BUDGET if self.shadow else 0.0
+        shadow_floor = self._shadow_floor(rate) if self.shadow else 0.0
         overrun = c.probe_overrun()
         for share in (1.0, 0.5):
             if share < 1.0 and not any(ks):
@@ -749,19 +750,18 @@ class Speculator:
             for i, s in enumerate(decode):
                 if ks[i] or not limits[i] or not self.probes.due(s.slot, share):
                     continue  # (the budget's floor below only lengthens the wait: not due without it, not due)
-                if share == 1.0 and self.shadow and s.request.sampling.greedy:
-                    if s.slot not in self._shadows and self.probes.due(s.slot, 1.0, floor=shadow_floor):
-                        rows, b = n + sum(ks), sum(1 for k in ks if k)
-                        k = min(limits[i], self._probe_rows(rows))
-                        extra = self._step_cost(n, rows - n + k, b + 1) - self._step_cost(n, rows - n, b)
-                        self._queue_shadow(s, rate * extra, shadow_floor, k)
-                    continue
-                if wait or rows_left <= 0:
+                shadow = share == 1.0 and self.shadow and s.request.sampling.greedy
+                if shadow:  # no verify rows: due by the draft call's cost, once no earlier one is pending
+                    if s.slot in self._shadows or not self.probes.due(s.slot, 1.0, floor=shadow_floor):
+                        continue
+                elif wait or rows_left <= 0:
                     continue  # (every probe due at share 1.0 is due at 0.5: they join a step that drafts anyway)
                 rows, b = n + sum(ks), sum(1 for k in ks if k)
-                k = min(limits[i], rows_left, self._probe_rows(rows))
+                k = min(limits[i] if shadow else min(limits[i], rows_left), self._probe_rows(rows))
                 extra = self._step_cost(n, rows - n + k, b + 1) - self._step_cost(n, rows - n, b)
-                if self.probes.due(s.slot, share, floor=rate * extra * overrun / PROBE_BUDGET):
+                if shadow:  # priced as the probe round it stands for
+                    self._queue_shadow(s, rate * extra, shadow_floor, k)
+                elif self.probes.due(s.slot, share, floor=rate * extra * overrun / PROBE_BUDGET):
                     ks[i] = k
                     rows_left -= k
                     self._probing.add(s.slot)
@@ -811,7 +811,7 @@ class Speculator:
         share = max(t - plain_t, 0.0) / len(chosen)  # each drafting member's seconds on top of a plain step
         if best_rate <= rate:  # a plain step pays better; due probes still ride the round, or go in the shadow
             if self.shadow:  # (every member greedy, as in any fused round): a draft call each, no round
-                floor = rate * c.draft(1) / PROBE_BUDGET
+                floor = self._shadow_floor(rate)
                 for s, k in zip(decode, ks):
                     if k and s.slot not in self._shadows and self.probes.due(s.slot, 1.0, floor=floor):
                         self._queue_shadow(s, rate * share, floor, k)
@@ -1149,6 +1149,11 @@ class Speculator:
 
     # ------------------------------------------------------------------ 3'. shadow probes (module docstring)
 
+    def _shadow_floor(self, rate: float) -> float:
+        """The wait, in plain steps of `rate` tokens per second, that keeps a shadow probe's draft call within
+        PROBE_BUDGET of plain decoding."""
+        return rate * self.costs.draft(1) / PROBE_BUDGET
+
     def _queue_shadow(self, seq, need: float, floor: float, rows: int) -> None:
         """`seq` probes in the shadow at the end of this step (`end_commits`); `need`: the accepted drafts with
         which a round of `rows` drafts would have paid; `floor`: the wait the draft call's cost asks for within
@@ -1169,9 +1174,7 @@ class Speculator:
                 live.append((seq, k, need, floor, rows))
         if not live:
             return
-        t0, log = time.perf_counter(), self.runner.call_log
-        logged = len(log) if log is not None else 0
-        try:
+        with self._host_apart():
             seqs = [seq for seq, *_ in live]
             self._append_rows([s.slot for s in seqs])
             drafts = self._shadow_drafts(seqs)
@@ -1185,9 +1188,6 @@ class Speculator:
             for i, (seq, k, need, floor, rows) in enumerate(live):
                 self._shadows[seq.slot] = _Shadow(seq, len(seq.tokens), k, drafts[i], ready, need, rows, floor)
             self.stats.shadow_probes += len(live)
-        finally:
-            inside = sum(seconds for _, _, seconds in log[logged:]) if log is not None else 0.0
-            self._append_host += time.perf_counter() - t0 - inside
 
     def _shadow_drafts(self, seqs: list) -> torch.Tensor:
         """Drafts [B, >= block - 1] of blocks anchored at each sequence's last known token (position: its index)."""
@@ -1251,10 +1251,18 @@ class Speculator:
         are the prediction's), on CUDA all of it (the calls' blank-input table times stay in the prediction,
         so such a step's host work is learnt low by about their host share; an append of rows on the cell
         layout costs far more host time than the blank call of the table, and that is what is left out)."""
+        with self._host_apart(drafting):
+            return self._append_rows(slots)
+
+    @contextlib.contextmanager
+    def _host_apart(self, drafting: bool = False):
+        """Count the host time of the work inside, less its timed calls (CPU: their times are the prediction's),
+        as context-append time that the step's timing leaves out (`_append_host`; `drafting`: also as the
+        appends before this step's drafts, `_draft_append_host`)."""
         t0, log = time.perf_counter(), self.runner.call_log
         logged = len(log) if log is not None else 0
         try:
-            return self._append_rows(slots)
+            yield
         finally:
             inside = sum(seconds for _, _, seconds in log[logged:]) if log is not None else 0.0
             host = time.perf_counter() - t0 - inside
