@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from script_common import add_matmul_args, add_overlap_arg, auto_on_off, matmul_name, matmul_settings  # noqa: E402
 
 from mg.manifests.constants import DTYPES, WEIGHT_SCHEMES  # noqa: E402
+from mg.runtime.config import PROBE_KINDS  # noqa: E402
 
 
 def _export(checkpoint, draft_checkpoint, layout: str, out: Path, max_context: int, dtype: str | None = None,
@@ -89,7 +90,7 @@ def _engine(artifact_dir: Path, speculation: str | None, device: str, warm_up: t
     return engine
 
 
-SPECULATIONS = ("adaptive", "fixed", "adaptive:shadow", "adaptive:round")  # --speculation's policies
+SPECULATIONS = ("adaptive", "fixed", *(f"adaptive:{k}" for k in PROBE_KINDS))  # --speculation's policies
 READ_BACK = "target-only-no-overlap"  # the extra target-only engine of --compare-overlap
 
 

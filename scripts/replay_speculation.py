@@ -37,6 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mg.runtime.config import PROBE_KINDS, PROBES_ROUND
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -207,8 +209,9 @@ def main() -> int:
     p.add_argument("--strength", type=float, default=None, help="AcceptanceModel strength [default: the runtime's]")
     p.add_argument("--decay", type=float, default=None, help="AcceptanceModel decay [default: the runtime's]")
     p.add_argument("--probe-budget", type=float, default=None, help="PROBE_BUDGET [default: the runtime's]")
-    p.add_argument("--probes", default="round", choices=["shadow", "round"],
-                   help="RunConfig.probes: how a sequence kept at plain steps probes [default: the runtime's, round]")
+    p.add_argument("--probes", default=PROBES_ROUND, choices=PROBE_KINDS,
+                   help=f"RunConfig.probes: how a sequence kept at plain steps probes [default: the runtime's, "
+                        f"{PROBES_ROUND}]")
     p.add_argument("--oracle", type=Path, default=None,
                    help="read the acceptance per position from this JSON (written by an earlier --out) instead of "
                         "computing it")
@@ -302,7 +305,7 @@ def main() -> int:
     print("\n".join(lines))
     settings = {"prior": args.prior, "strength": args.strength, "decay": args.decay, "batch": args.batch,
                 "probe_budget": speculative.PROBE_BUDGET, "host_us": host_us, "passes": args.passes,
-                "max_new_tokens": args.max_new_tokens, "probes": "shadow" if spec.shadow else "round"}
+                "max_new_tokens": args.max_new_tokens, "probes": args.probes}
     args.out.write_text(json.dumps({"settings": settings, "tables": tables, "aggregate": agg, "runs": runs,
                                     "oracle": oracle}) + "\n")
     tmp.cleanup()
