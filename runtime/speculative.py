@@ -41,9 +41,7 @@ step's bucket; the wait doubles after each probe that did not pay, and is
 never shorter than keeps probing within PROBE_BUDGET of the sequence's plain
 decoding time, by the probe's predicted and then measured cost: a first
 probe's prediction is scaled by how far earlier probes of the program took
-longer than predicted), so it notices when the text becomes predictable again. Whatever the estimates say,
-a sequence drafts (rounds or probes) only while its account of measured round costs less accepted drafts
-stays within LOSS_BUDGET of its tokens with one more failed round (`_may_draft`). A greedy sequence may probe
+longer than predicted), so it notices when the text becomes predictable again. A greedy sequence may probe
 in the shadow instead: one `draft_block` call for it
 alone, left in flight after the step, whose drafts are compared with the
 tokens the target's next steps make, which is exactly what a round anchored
@@ -147,7 +145,6 @@ class SpecStats:
     stalls: int = 0  # plain steps whose time was left out of the host-work windows as stalls (`CostModel.record`)
     shadow_probes: int = 0  # drafts made for a sequence at a plain step and compared with its next tokens
     shadow_accepted: int = 0  # of their drafts, those a round would have accepted
-    held_by_budget: int = 0  # sequence-steps kept at k = 0 by the sequence's loss budget (`Speculator._may_draft`)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -546,10 +543,6 @@ _NONE: frozenset = frozenset()  # no slot probes this step
 STALL_RATIO = 2.0  # a plain step timed above this many times a plain step's price is a stall (CostModel.record)
 PROBE_BUDGET = 0.05  # probes of a sequence the estimates keep at k = 0 cost at most this share of its plain steps
 PROBE_OVERRUN_MAX = 4.0  # a probe's price is never scaled by more than this (CostModel.probe_overrun)
-# A sequence's rounds lose at most about this share of its tokens against plain decoding (`Speculator._may_draft`):
-# of min(max_new_tokens, tokens made so far + LOSS_HORIZON), so a short request may lose little in all, a long one
-# little per token.
-LOSS_BUDGET, LOSS_HORIZON = 0.045, 32
 WAITING_BYTES = 256 << 20  # committed hidden rows waiting for the drafter, all slots together, at most about this
 
 
@@ -665,13 +658,6 @@ class Speculator:
         self._extra: dict[int, float] = {}  # drafting slot -> predicted seconds on top of a plain step
         self._plain_rate = 0.0  # a plain step's tokens per second, as predicted when the round was chosen
         self._probed: dict[int, int] = {}  # slot -> drafts its probe had accepted, until the step is timed
-        self._drafted: dict[int, int] = {}  # slot -> drafts its round accepted this step (any round), until timed
-        # Each sequence's account against plain decoding, in a plain step's tokens (adaptive speculation): how far
-        # its rounds so far put it behind (negative: ahead), and what its last round would have lost had it
-        # accepted nothing. A sequence drafts only while one more such loss stays within its LOSS_BUDGET.
-        # Slots absent from both have drafted nothing since admission (no account: nothing to check).
-        self._behind: dict[int, float] = {}
-        self._fail: dict[int, float] = {}
         self._append_host = 0.0  # host seconds of this step's context appends outside the tables' calls
         self._draft_append_host = 0.0  # of those, the appends before this step's drafts (a probe's cost)
         self._released = False  # a sequence finished or was cancelled since the last timed step
@@ -731,8 +717,6 @@ class Speculator:
         limits = [max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached)) for s in decode]
         if self._shadows:  # a sequence waits for its shadow probe's outcome before drafting (its append is paid now,
             limits = [0 if s.slot in self._shadows else k for s, k in zip(decode, limits)]  # the estimates not yet)
-        if self._fail:  # a sequence that drafted its loss budget away runs plain steps
-            limits = self._within_budget(decode, limits)
         rounds = self._fusable_rounds(decode)
         if not self.adaptive:  # fused whenever the step turns out to have no prompt chunks (`fuses`)
             ks = []
@@ -931,53 +915,24 @@ class Speculator:
             k += 1
         return k
 
-    def _judge_rounds(self, measured_s: float, timed: bool) -> None:
-        """The step just run drafted: charge each drafting sequence's account (`_may_draft`) and judge its probe,
-        if it was one. A sequence's cost: the step's measured time over a plain step's predicted time for the
-        rows without drafts, shared among the drafting sequences as predicted (never below its own prediction,
-        the prediction alone when the step was not timed), in the plain step's tokens. Its account is charged at
-        most PROBE_OVERRUN_MAX times the prediction (beyond that, a stall more likely than the round). Did a
-        probe pay: did its accepted drafts come faster than plain steps make tokens? One that accepted nothing
-        never paid, whatever the (possibly noisy) times say; one that did not pay waits at least as many steps as
-        keep its cost within PROBE_BUDGET."""
-        c, n, rate = self.costs, self._n, self._plain_rate
+    def _judge_probes(self, measured_s: float) -> None:
+        """Did each probe of the step just run pay: did its accepted drafts come faster than plain steps make
+        tokens? Its cost: the step's measured time over a plain step's predicted time for the rows without
+        drafts, shared among the drafting sequences as predicted (never below its own prediction). A probe
+        that accepted nothing never paid, whatever the (possibly noisy) times say; one that did not pay waits
+        at least as many steps as keep its cost within PROBE_BUDGET."""
+        c, n = self.costs, self._n
         plain_s = c.forward(n) + c.residual(PLAIN, n) + c.append(self._flushed)
         over = measured_s - plain_s
         predicted = sum(self._extra.values())
-        if timed and self._probed:
-            c.record_probe(over, predicted, plain_s)
-        for slot, accepted in self._drafted.items():
-            extra = self._extra.get(slot, 0.0)
-            charged = max(extra, over * extra / predicted) if timed and predicted > 0 else extra
-            if timed and slot in self._probed:
-                need = rate * charged  # tokens the probe had to accept to pay
-                paid = accepted > 0 and accepted >= need
-                self.probes.probed(slot, paid, 0.0 if paid else need / PROBE_BUDGET)
-            self._fail[slot] = fail = rate * min(charged, PROBE_OVERRUN_MAX * extra)
-            self._behind[slot] = self._behind.get(slot, 0.0) + fail - accepted
-
-    def _may_draft(self, seq) -> bool:
-        """May `seq` draft this step: would a round that accepts nothing, at the loss of its last round (0 before
-        any), leave it within LOSS_BUDGET of its tokens behind plain decoding (`_behind`: measured rounds' time
-        over plain steps', less their accepted drafts)? A round that pays moves it ahead, so a sequence the
-        drafter serves keeps drafting; one it does not serve stops after a few tokens' worth of failed rounds
-        and probes, whatever the estimates expect. The tokens counted: min(max_new_tokens, made so far +
-        LOSS_HORIZON)."""
-        slot = seq.slot
-        if slot not in self._fail:
-            return True
-        made = min(seq.request.max_new_tokens, seq.n_generated + LOSS_HORIZON)
-        return self._behind[slot] + self._fail[slot] <= LOSS_BUDGET * made
-
-    def _within_budget(self, decode: list, limits: list[int]) -> list[int]:
-        """`limits` with 0 for each sequence that may not draft now (`_may_draft`), counted in the stats."""
-        out = []
-        for s, k in zip(decode, limits):
-            if k and not self._may_draft(s):
-                k = 0
-                self.stats.held_by_budget += 1
-            out.append(k)
-        return out
+        c.record_probe(over, predicted, plain_s)
+        for slot, accepted in self._probed.items():
+            extra = self._extra[slot]
+            if predicted > 0:
+                extra = max(extra, over * extra / predicted)
+            need = self._plain_rate * extra  # tokens the probe had to accept to pay
+            paid = accepted > 0 and accepted >= need
+            self.probes.probed(slot, paid, 0.0 if paid else need / PROBE_BUDGET)
 
     def _cost_model(self) -> CostModel:
         r, cfg = self.runner, self.config
@@ -1025,9 +980,10 @@ class Speculator:
                 self.trace[-1].update(kind=kind, predicted=predicted, measured=measured_s)
                 if stall:
                     self.trace[-1]["stall"] = True
-        if self._drafted:  # a probe's own context append is its cost: the sequence would not have appended it now
-            self._judge_rounds(measured_s + self._draft_append_host, timed)
-            self._drafted, self._probed = {}, {}
+        if self._probed:
+            if timed:  # a probe's own context append is its cost: the sequence would not have appended it now
+                self._judge_probes(measured_s + self._draft_append_host)
+            self._probed = {}
         if c is not None and log is not None:
             for method, n, seconds in log:
                 c.observe(_TABLE_OF.get(method, method), n, seconds)  # fused rounds: tables by their name
@@ -1142,7 +1098,6 @@ class Speculator:
         if self.adaptive:
             self.acceptance.observe(seq.slot, k, accepted)
             self.probes.drafted(seq.slot)
-            self._drafted[seq.slot] = accepted  # charged to its account in step_done
             if seq.slot in self._probing:
                 self._probed[seq.slot] = accepted  # judged in step_done, once the step's time is known
 
@@ -1280,9 +1235,6 @@ class Speculator:
         self.acceptance.reset(slot)
         self.probes.reset(slot)
         self._probed.pop(slot, None)
-        self._drafted.pop(slot, None)
-        self._behind.pop(slot, None)
-        self._fail.pop(slot, None)
         self._released = True
 
     def _check_context(self, seqs: list) -> None:

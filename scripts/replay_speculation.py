@@ -17,8 +17,7 @@ orders of the prompts (the first: the file's).
 
 Left out: prompt processing (the same with or without DFlash), the engine's step work beyond the host times
 given, and the waiting context rows in the choice (their append is timed; the choice here prices it at zero).
-Estimator settings can be changed for an experiment (`--prior`, `--strength`, `--decay`, `--probe-budget`,
-`--loss-budget`), and
+Estimator settings can be changed for an experiment (`--prior`, `--strength`, `--decay`, `--probe-budget`), and
 how probes run (`--probes shadow|round`).
 The tables are this machine's as measured when the engine starts, or (`--tables`) those an earlier run recorded:
 a machine under other load measures other tables, and its numbers then move with them.
@@ -210,9 +209,6 @@ def main() -> int:
     p.add_argument("--strength", type=float, default=None, help="AcceptanceModel strength [default: the runtime's]")
     p.add_argument("--decay", type=float, default=None, help="AcceptanceModel decay [default: the runtime's]")
     p.add_argument("--probe-budget", type=float, default=None, help="PROBE_BUDGET [default: the runtime's]")
-    p.add_argument("--loss-budget", type=float, default=None,
-                   help="LOSS_BUDGET, a share of a sequence's tokens ('inf': no sequence is ever held by its "
-                        "account) [default: the runtime's]")
     p.add_argument("--probes", default=PROBES_ROUND, choices=PROBE_KINDS,
                    help=f"RunConfig.probes: how a sequence kept at plain steps probes [default: the runtime's, "
                         f"{PROBES_ROUND}]")
@@ -237,8 +233,6 @@ def main() -> int:
         p.error(f"--batch is {args.batch}; allowed: an integer in [0, 8] (the sequences the export serves at once)")
     if args.probe_budget is not None and not args.probe_budget > 0:
         p.error(f"--probe-budget is {args.probe_budget}; allowed: a number > 0")
-    if args.loss_budget is not None and not args.loss_budget >= 0:
-        p.error(f"--loss-budget is {args.loss_budget}; allowed: a number >= 0, or inf")
     host = dict(zip(("target_only", "plain", "drafting"), (h * 1e-6 for h in host_us)))
     given_tables = read_tables(p, args.tables) if args.tables is not None else None
 
@@ -257,8 +251,6 @@ def main() -> int:
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
     if args.probe_budget is not None:
         speculative.PROBE_BUDGET = args.probe_budget  # read by the speculator at every choice
-    if args.loss_budget is not None:
-        speculative.LOSS_BUDGET = args.loss_budget
     rows = [json.loads(line) for line in args.prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
     tmp = tempfile.TemporaryDirectory()  # the export lives as long as the engine reading it
     artifact = load_artifact(eval_dflash._export(args.checkpoint, args.draft_checkpoint, "sequence",
@@ -312,8 +304,7 @@ def main() -> int:
         f"{name} " + "/".join(f"{t * 1e3:.2f}" for t in table.values()) for name, table in tables.items()))
     print("\n".join(lines))
     settings = {"prior": args.prior, "strength": args.strength, "decay": args.decay, "batch": args.batch,
-                "probe_budget": speculative.PROBE_BUDGET, "loss_budget": speculative.LOSS_BUDGET,
-                "loss_horizon": speculative.LOSS_HORIZON, "host_us": host_us, "passes": args.passes,
+                "probe_budget": speculative.PROBE_BUDGET, "host_us": host_us, "passes": args.passes,
                 "max_new_tokens": args.max_new_tokens, "probes": args.probes}
     args.out.write_text(json.dumps({"settings": settings, "tables": tables, "aggregate": agg, "runs": runs,
                                     "oracle": oracle}) + "\n")

@@ -535,79 +535,6 @@ def test_a_first_probe_is_priced_by_how_far_earlier_probes_overran_their_predict
     assert fresh.probe_overrun() == 1.0
 
 
-def _rounds_timed(spec, seq, steps: int, accepted: int, overrun: float) -> list[int]:
-    """`steps` steps of `seq`: choose -> observe (`accepted` of its drafts, at most k) -> step_done, a drafting
-    step timed at `overrun` times its predicted extra over a plain step; the sequence advances by what it
-    commits. -> the k chosen each step."""
-    c, chosen = spec.costs, []
-    plain = c.forward(1) + c.residual(PLAIN, 1)
-    for _ in range(steps):
-        k = spec.choose([seq], 24)[0]
-        chosen.append(k)
-        a = min(k, accepted)
-        spec.observe(seq, k, a)
-        seq.tokens.extend([7] * (1 + a))
-        seq.n_cached += 1 + a
-        measured = plain + overrun * sum(spec._extra.values()) if k else plain
-        spec.step_done(measured, 1 + k)
-    return chosen
-
-
-def _optimistic(tiny_dflash_seq_artifact):
-    """A speculator whose estimates expect 2 accepted drafts a round and whose tables price a round at 1.1 plain
-    steps over a plain step (a draft call of 1 ms): by the estimates, drafting pays every step."""
-    engine = _engine(tiny_dflash_seq_artifact, ROUND_PROBES)
-    spec, seq = engine.spec, _seq(0, max_new=100)
-    engine.runner.call_log = None
-    spec.costs = _costs(forward_per_row=5e-5, draft=1e-3)
-    spec.costs.record = lambda kind, predicted, measured, n=1: True  # slow steps teach no host work here
-    for _ in range(30):
-        spec.acceptance.observe(seq.slot, 3, 2)
-    return spec, seq
-
-
-def test_a_sequence_whose_rounds_lose_stops_drafting_within_its_loss_budget(tiny_dflash_seq_artifact):
-    """Rounds that take four times their price lose against plain steps although each accepts what the estimates
-    expect: the sequence's account stops them once one more such loss would pass LOSS_BUDGET of its tokens, and
-    the estimates alone would have drafted every step."""
-    spec, seq = _optimistic(tiny_dflash_seq_artifact)
-    chosen = _rounds_timed(spec, seq, 60, accepted=2, overrun=4.0)
-    drafting = [i for i, k in enumerate(chosen) if k]
-    assert drafting == [0]  # 2.4 tokens behind after it, 4.4 more at risk: over 0.045 x 33 and ever after (x 100)
-    assert spec._behind[0] == pytest.approx(spec._fail[0] - 2) and spec._fail[0] > 4.0
-    allowance = spec_module.LOSS_BUDGET * min(100, seq.n_generated + spec_module.LOSS_HORIZON)
-    assert spec._behind[0] <= allowance + spec._fail[0]
-    assert spec.stats.held_by_budget == 59
-    spec.release(0)  # a new request in the slot starts with a clean account
-    assert 0 not in spec._behind and 0 not in spec._fail and spec._may_draft(seq)
-    ungated, _ = _optimistic(tiny_dflash_seq_artifact)
-    ungated._may_draft = lambda seq: True
-    assert all(_rounds_timed(ungated, _seq(0, max_new=100), 20, accepted=2, overrun=4.0))
-
-
-def test_a_sequence_ahead_of_plain_decoding_keeps_drafting_through_losing_rounds(tiny_dflash_seq_artifact):
-    """Rounds that paid put a sequence ahead: losing rounds after them run until its account, not the first
-    loss, says stop; the rounds as priced (no overrun) pay and never stop."""
-    spec, seq = _optimistic(tiny_dflash_seq_artifact)
-    assert all(_rounds_timed(spec, seq, 10, accepted=2, overrun=1.0))
-    ahead = spec._behind[0]
-    assert ahead == pytest.approx(10 * (spec._fail[0] - 2)) and ahead < -8.0  # 0.9 tokens ahead per round
-    priced, made = spec._fail[0], seq.n_generated
-    chosen = _rounds_timed(spec, seq, 20, accepted=2, overrun=4.0)
-    # The rule by hand: a round while behind + the last round's loss <= LOSS_BUDGET x min(100, made + 32), else a
-    # plain step (the allowance grows with the tokens made).
-    behind, risk, expected = ahead, priced, []
-    for _ in range(20):
-        expected.append(behind + risk <= spec_module.LOSS_BUDGET * min(100, made + spec_module.LOSS_HORIZON))
-        if expected[-1]:
-            behind, risk, made = behind + 4 * priced - 2, 4 * priced, made + 3
-        else:
-            made += 1
-    assert [bool(k) for k in chosen] == expected
-    assert expected[:3] == [True] * 3 and expected.count(True) < 10  # losing rounds go on, far fewer of them
-    assert spec._behind[0] == pytest.approx(behind)
-
-
 def _plain_until_probe_due(spec, seq, most: int = 1000) -> None:
     """Plain steps of `seq` (each chosen so) until its probe is due; fails after `most`."""
     for _ in range(most):
@@ -646,7 +573,7 @@ def test_a_probe_waits_for_a_step_without_prompt_chunks_where_rounds_fuse(tiny_d
             ks = spec.choose([seq], 24)
             assert ks[0] > 0 and spec._round_now is not None and spec._probing == {seq.slot}  # fused probe
             spec.observe(seq, ks[0], 0)
-            spec.step_done(1.5e-3, 1 + ks[0])  # (about its price: its loss leaves the sequence room for more)
+            spec.step_done(5e-3, 1 + ks[0])
             # Prompts admitted back to back: the next due probe waits PROBE_WAIT steps with prompt chunks, no more.
             _plain_until_probe_due(spec, seq)
             for waited in range(spec_module.PROBE_WAIT + 2):  # (bounded: a probe that never rides fails, not hangs)

@@ -126,7 +126,6 @@ def test_replay_gives_the_same_numbers_twice(spec):
     (["--orders", "0"], "allowed: --max-new-tokens >= 2, --passes >= 1, --orders >= 1"),
     (["--batch", "9"], "--batch is 9; allowed: an integer in [0, 8] (the sequences the export serves at once)"),
     (["--probe-budget", "0"], "--probe-budget is 0.0; allowed: a number > 0"),
-    (["--loss-budget", "-1"], "--loss-budget is -1.0; allowed: a number >= 0, or inf"),
     (["--tables", "missing.json"], "--tables missing.json: no cost tables (FileNotFoundError"),
 ])
 def test_replay_refuses_bad_input_in_one_line(tmp_path, args, message):
