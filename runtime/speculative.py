@@ -926,6 +926,8 @@ class Speculator:
         over = measured_s - plain_s
         predicted = sum(self._extra.values())
         c.record_probe(over, predicted, plain_s)
+        if self.trace is not None and self.trace:
+            self.trace[-1].update(probe_extra=[over, predicted], probe_overrun=c.probe_overrun())
         for slot, accepted in self._probed.items():
             extra = self._extra[slot]
             if predicted > 0:

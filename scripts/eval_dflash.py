@@ -165,13 +165,14 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
         """({policy or None: every run's seconds}, {policy or None: (results, stats) of the last run}); every
         run's stalls (`SpecStats.stalls`) go to `stalls` {name: {policy: [...]}}."""
         times, last = {}, {}
-        for _ in range(repeats):
+        for repeat in range(repeats):
             for policy in [None] + ([READ_BACK] if compare_overlap else []) + policies:
                 speculation, art = runs_on.get(policy, (policy, artifact_dir))
                 trace = [] if traces is not None and (speculation or "").startswith("adaptive") else None
                 res, stats, s = _run(art, batch, speculation, device, trace, settings)
                 if trace is not None:
-                    traces[name if policy == "adaptive" else f"{name} | {policy}"] = trace
+                    run = name if policy == "adaptive" else f"{name} | {policy}"
+                    traces[run if not repeat else f"{run} #{repeat + 1}"] = trace
                 times.setdefault(policy, []).append(s)
                 last[policy] = (res, stats)
                 if policy in policies:
@@ -299,7 +300,8 @@ def main() -> int:
                    help="also time target-only with every step read back at once (no overlap), in the same rounds")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--trace", type=Path, default=None,
-                   help="also write adaptive speculation's choice of every step (JSON: layout -> run -> steps)")
+                   help="also write adaptive speculation's choice of every step (JSON: layout -> run -> steps; "
+                        "a run's later repeats as 'run #2', 'run #3', ...)")
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats is {args.repeats}; allowed: an integer >= 1")
