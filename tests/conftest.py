@@ -19,13 +19,26 @@ def tiny_model(tiny_cfg):
     return init_random(MuseGlimmer(tiny_cfg), 0).eval()
 
 
-def _export(out, draft=None, **kw):
-    from mg.export.artifact import PRESET_SEED, ExportOptions, export_artifact, load_target
+# The export of `tiny_dflash_seq_artifact`. Module fixtures that need the very same export take that session
+# fixture instead of exporting it again (an export with a drafter costs about 30 s on CPU).
+DFLASH_SEQ = dict(layout="sequence", max_seqs=3, max_context=96, max_write=24, draft="tiny")
+
+
+def _export_call(out, draft=None, **kw):
+    """What `_export` hands to `export_artifact`: (options, target, drafter or None)."""
+    from mg.export.artifact import PRESET_SEED, ExportOptions, load_target
     from mg.export.draft_lower import load_draft
 
     opts = ExportOptions(output_dir=out, **kw)
     target = load_target(None, "tiny")
     drafter = load_draft(None, draft, target.cfg, PRESET_SEED) if draft else None
+    return opts, target, drafter
+
+
+def _export(out, draft=None, **kw):
+    from mg.export.artifact import export_artifact
+
+    opts, target, drafter = _export_call(out, draft, **kw)
     export_artifact(opts, target, lambda msg: None, drafter)
     return out
 
@@ -47,8 +60,7 @@ def tiny_cell_artifact(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_dflash_seq_artifact(tmp_path_factory):
     """Tiny target + tiny drafter (block 8), sequence layout, 3 sequences."""
-    return _export(tmp_path_factory.mktemp("art") / "dseq", layout="sequence", max_seqs=3, max_context=96,
-                   max_write=24, draft="tiny")
+    return _export(tmp_path_factory.mktemp("art") / "dseq", **DFLASH_SEQ)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -220,13 +221,41 @@ def _export(out, *args):
                                             "--max-write", "24", "-o", str(out), *args])
 
 
+def _cli_export_call(out, *args):
+    """What `mg-export` with these flags hands to `export_artifact`, (options, target, drafter); nothing exported."""
+    from mg.export import artifact
+
+    calls = []
+
+    def record(opts, target, say, draft=None):
+        calls.append((opts, target, draft))
+
+    with pytest.MonkeyPatch.context() as m:  # the CLI imports export_artifact from the module when it runs
+        m.setattr(artifact, "export_artifact", record)
+        res = _export(out, *args)
+    assert res.exit_code == 0 and len(calls) == 1, res.output
+    return calls[0]
+
+
+def _export_facts(opts, target, draft):
+    """Everything an export depends on but its output folder (weight sources by their description)."""
+    return (dataclasses.replace(opts, output_dir=None), dataclasses.replace(target, weights=None),
+            target.weights.description, dataclasses.replace(draft, weights=None), draft.weights.description)
+
+
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
+def artifacts(tmp_path_factory, tiny_dflash_seq_artifact):
     """The tiny preset with its drafter: float, int8, int4 (groups of 32) with the head quantized, a float target
-    with an int4 drafter, and an int8 target with a float drafter."""
+    with an int4 drafter, and an int8 target with a float drafter. The float one is the session's
+    `tiny_dflash_seq_artifact`, only read here: the export `_export(root / "float", "--draft-preset", "tiny")`
+    would make again (checked below: the same options, target and drafter, so the same files)."""
+    from conftest import DFLASH_SEQ, _export_call
+
     root = tmp_path_factory.mktemp("quant")
-    out = {}
-    for name, args in (("float", []), ("int8", ["--weights", "int8"]),
+    assert _export_facts(*_cli_export_call(root / "float", "--draft-preset", "tiny")) == \
+        _export_facts(*_export_call(root / "float", **DFLASH_SEQ))
+    out = {"float": tiny_dflash_seq_artifact}
+    for name, args in (("int8", ["--weights", "int8"]),
                        ("int4", ["--weights", "int4", "--group-size", "32", "--quantize-head"]),
                        ("draft-int4", ["--draft-weights", "int4", "--group-size", "32"]),
                        ("draft-float", ["--weights", "int8", "--draft-weights", "float"])):

@@ -25,7 +25,7 @@ from mg.runtime.model_runner import ModelRunner
 from mg.runtime.program_ops import MM
 from mg.runtime.scheduler import Request
 
-from conftest import _export
+from conftest import DFLASH_SEQ, _export
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -110,10 +110,17 @@ def test_on_the_cpu_the_setting_makes_a_rows_logits_the_same_bits_alone_and_in_a
 # ------------------------------------------------------------------ CUDA
 
 
+@pytest.fixture(scope="module")
+def bf16_dflash_artifact(tmp_path_factory):
+    return _export(tmp_path_factory.mktemp("rowinv") / "bfloat16", **DFLASH_SEQ, dtype="bfloat16")
+
+
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def dflash_artifact(request, tmp_path_factory):
-    return _export(tmp_path_factory.mktemp("rowinv") / request.param, layout="sequence", max_seqs=3,
-                   max_context=96, max_write=24, draft="tiny", dtype=request.param)
+def dflash_artifact(request):
+    """float32 is the tiny preset's own dtype: that export is the session's `tiny_dflash_seq_artifact` (only read
+    here); bfloat16 the same export in bfloat16."""
+    return request.getfixturevalue("tiny_dflash_seq_artifact" if request.param == "float32" else
+                                   "bf16_dflash_artifact")
 
 
 def _next_row_logits(runner: ModelRunner, context: list[int], token: int, rows: int, other: int) -> torch.Tensor:
@@ -150,9 +157,8 @@ def test_a_rows_logits_are_the_same_bits_alone_and_in_a_verify(dflash_artifact, 
 
 @needs_cuda
 @pytest.mark.cuda
-def test_greedy_dflash_equals_target_only_in_bfloat16(tmp_path_factory):
-    art_dir = _export(tmp_path_factory.mktemp("rowinv") / "bf16", layout="sequence", max_seqs=3,
-                      max_context=96, max_write=24, draft="tiny", dtype="bfloat16")
+def test_greedy_dflash_equals_target_only_in_bfloat16(bf16_dflash_artifact):
+    art_dir = bf16_dflash_artifact
     vocab = load_artifact(art_dir).manifest.model.vocab_size
     gen = torch.Generator().manual_seed(3)
     requests = [Request(f"r{i}", tuple(torch.randint(4, vocab, (n,), generator=gen).tolist()), 40)

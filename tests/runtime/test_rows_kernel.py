@@ -21,7 +21,6 @@ from mg.runtime.model_runner import ModelRunner
 from mg.runtime.program_ops import MM
 from mg.runtime.scheduler import Request
 
-from conftest import _export
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -50,9 +49,9 @@ def test_compiled_methods_trace_the_rows_op(tiny_seq_artifact, tmp_path):
 # ------------------------------------------------------------------ CUDA
 
 @pytest.fixture(scope="module")
-def fp32_artifact(tmp_path_factory):
-    return _export(tmp_path_factory.mktemp("rows") / "fp32", layout="sequence", max_seqs=3, max_context=96,
-                   max_write=24, draft="tiny")
+def fp32_artifact(tiny_dflash_seq_artifact):
+    """The tiny preset (float32) with its drafter, sequence layout: the session's export of it (only read here)."""
+    return tiny_dflash_seq_artifact
 
 
 def _forward_inputs(tokens, positions, slots):
