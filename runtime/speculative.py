@@ -91,6 +91,7 @@ import heapq
 import json
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -435,8 +436,14 @@ class CostModel:
         scaled by it (a sequence's own measured probe cost sets a floor of its own too): a probe's round waits
         for the step in flight and appends context the sequence would not have appended otherwise, which the
         tables of blank calls do not hold (on an H100, a round probe of one sequence took 1.3-1.6 ms against about 0.65
-        predicted)."""
-        count, median = self._host.probe_overrun.median()
+        predicted). Until `min_samples` probes were judged the window is read as if filled up with probes
+        timed as predicted (1), so one probe that met a stall or a first call's one-time work cannot set every
+        later first probe's price on its own: one such sample at 4x would make a first probe wait four times
+        as long, longer than a short request lasts, and no later probe would come to outvote it."""
+        window = self._host.probe_overrun
+        count, median = window.median()
+        if 0 < count < self.min_samples:
+            median = statistics.median(window.values() + [1.0] * (self.min_samples - count))
         return min(max(median, 1.0), PROBE_OVERRUN_MAX) if count else 1.0
 
     def record_probe(self, measured_extra: float, predicted_extra: float, plain_s: float) -> None:
@@ -515,6 +522,10 @@ class _Window:
 
     def _remove(self, value: float) -> None:
         del self._sorted[bisect.bisect_left(self._sorted, value)]
+
+    def values(self) -> list[float]:
+        """The values, sorted."""
+        return list(self._sorted)
 
     def median(self, after: Optional[int] = None) -> tuple[int, float]:
         """(count, median) of the values taken after clock reading `after` (None: all of them); (0, 0.0)
