@@ -446,12 +446,16 @@ class CostModel:
             median = statistics.median(window.values() + [1.0] * (self.min_samples - count))
         return min(max(median, 1.0), PROBE_OVERRUN_MAX) if count else 1.0
 
-    def record_probe(self, measured_extra: float, predicted_extra: float, plain_s: float) -> None:
+    def record_probe(self, measured_extra: float, predicted_extra: float, plain_s: float) -> bool:
         """A probe's step took `measured_extra` seconds more than a plain step (predicted at `plain_s`), where
-        `predicted_extra` was predicted (`probe_overrun`). A probe predicted at under a quarter of a plain step
-        is no sample: its ratio would be the plain step's own noise over a few microseconds."""
+        `predicted_extra` was predicted (`probe_overrun`). -> whether it became a sample. A probe predicted at
+        under a quarter of a plain step is none: its ratio would be the plain step's own noise over a few
+        microseconds."""
         if predicted_extra > 0.25 * plain_s:
             self._host.probe_overrun.append(measured_extra / predicted_extra, 0)
+            self._host.save_overrun()
+            return True
+        return False
 
     def _median(self, key: tuple, unseen: float) -> float:
         """The window's median; until it holds `min_samples` steps, no more than the unseen price (the first
@@ -494,12 +498,24 @@ class CostModel:
 
 class HostWork:
     """What a step costs beyond the tables, per (kind, bucket): a `_Window` of samples each, and per bucket a
-    clock (timed steps of any kind there) that dates them. Shared by the engines of one program and settings."""
+    clock (timed steps of any kind there) that dates them. Shared by the engines of one program and settings.
+    The probe overrun's samples persist in `overrun_file` when given: a process starts from what the last
+    ones of the same program, settings, device and runtime code measured (`_load_overrun`), so a short run's
+    first probe is priced by what probes really cost there (a first probe priced as its blank-call tables say
+    ran in the first of 20 single prompts of every H100 process, and lost it 11-15%: BENCHMARKS.md)."""
 
-    def __init__(self):
+    def __init__(self, overrun_file: Optional[Path] = None):
         self.windows: dict[tuple, _Window] = {}
         self.clock: collections.Counter = collections.Counter()
         self.probe_overrun = _Window(9)  # judged probes' measured over predicted extra seconds (`CostModel`)
+        self.overrun_file = overrun_file
+        for value in _load_overrun(overrun_file) if overrun_file is not None else ():
+            self.probe_overrun.append(value, 0)
+
+    def save_overrun(self) -> None:
+        """Keep the probe overrun's samples for later processes (best effort), when a file was given."""
+        if self.overrun_file is not None:
+            write_cache_file(self.overrun_file, json.dumps(self.probe_overrun.values()))
 
 
 class _Window:
@@ -524,8 +540,8 @@ class _Window:
         del self._sorted[bisect.bisect_left(self._sorted, value)]
 
     def values(self) -> list[float]:
-        """The values, sorted."""
-        return list(self._sorted)
+        """The values, oldest first."""
+        return [value for _, value in self._values]
 
     def median(self, after: Optional[int] = None) -> tuple[int, float]:
         """(count, median) of the values taken after clock reading `after` (None: all of them); (0, 0.0)
@@ -620,6 +636,27 @@ def _save_tables(key: tuple, device: torch.device, tables: tuple) -> tuple:
     """Keep `tables` for later processes (best effort: an unwritable cache is skipped); returns them."""
     write_cache_file(_tables_path(key, device), json.dumps(tables))
     return tables
+
+
+def _overrun_path(key: tuple, device: torch.device, probes: str) -> Path:
+    """Where the probe overrun's samples persist between processes: next to the cost tables of the same key, per
+    kind of probes (`HostWork`)."""
+    tables = _tables_path(key, device)
+    return tables.with_name(f"{tables.stem}-probe-overrun-{probes}.json")
+
+
+def _load_overrun(path: Path) -> list[float]:
+    """The probe overrun samples a previous process left, oldest first; none when missing or unreadable (a file
+    that is not a list of positive finite numbers is not trusted: the window starts empty, and the next judged
+    probe writes it whole again)."""
+    try:
+        values = json.loads(path.read_text(encoding="ascii"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
+        return []
+    return [float(v) for v in values]
 _TABLE_OF = {C.METHOD_FORWARD: "forward", C.METHOD_DRAFT_BLOCK: "draft", C.METHOD_DRAFT_APPEND: "append"}
 
 
@@ -959,7 +996,9 @@ class Speculator:
                     *(fr.measure() for fr in self.rounds)))
             _COST_TABLES[key] = tables
         forward, draft, append, *rounds = _COST_TABLES[key]
-        host_work = _HOST_WORK.setdefault((key, cfg.probes), HostWork())
+        host_work = _HOST_WORK.get((key, cfg.probes))
+        if host_work is None:
+            host_work = _HOST_WORK[(key, cfg.probes)] = HostWork(_overrun_path(key, r.device, cfg.probes))
         return CostModel(forward, draft, append, padded=cfg.padded, host_work=host_work,
                          rounds={fr.name: table for fr, table in zip(self.rounds, rounds)})
 

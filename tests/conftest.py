@@ -87,9 +87,13 @@ def _private_cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_speculation_knowledge():
     """Each test's engines start from the prior: what earlier engines of the process learnt (the drafter's
-    global acceptance, host work per step) is shared by design, which would make tests depend on their order."""
+    global acceptance, host work per step, the probe overrun kept in the cache folder) is shared by design, which
+    would make tests depend on their order."""
+    from mg.manifests.values import cache_root
     from mg.runtime import speculative
 
     speculative._GLOBAL_ACCEPTANCE.clear()
     speculative._HOST_WORK.clear()
+    for kept in (cache_root() / "cost-tables").glob("*-probe-overrun-*.json"):  # (the probe overrun persists)
+        kept.unlink()
     yield

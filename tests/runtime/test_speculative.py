@@ -548,6 +548,31 @@ def test_a_first_probe_is_priced_by_how_far_earlier_probes_overran_their_predict
     assert fresh.probe_overrun() == 1.0
 
 
+def test_the_probe_overrun_persists_for_the_next_process_and_a_bad_file_is_not_trusted(tiny_dflash_seq_artifact):
+    """What probes really cost is kept next to the cost tables: an engine of a later process (here: the
+    process-wide knowledge cleared) on the same program and settings starts from it; a damaged file is read as
+    none and written whole again by the next judged probe."""
+    costs = _engine(tiny_dflash_seq_artifact, ROUND_PROBES).spec.costs
+    path = costs._host.overrun_file
+    assert path is not None and not path.exists() and costs.probe_overrun() == 1.0
+    for ratio in (3.0, 2.5, 3.5):
+        assert costs.record_probe(ratio * 1e-3, 1e-3, 1e-3)
+    assert costs.probe_overrun() == pytest.approx(3.0)
+    assert json.loads(path.read_text()) == pytest.approx([3.0, 2.5, 3.5])
+    assert not costs.record_probe(1e-3, 1e-5, 1e-3)  # no sample, nothing written
+    spec_module._HOST_WORK.clear()  # a new process
+    later = _engine(tiny_dflash_seq_artifact, ROUND_PROBES).spec.costs
+    assert later.probe_overrun() == pytest.approx(3.0)  # from its first probe on
+    assert _engine(tiny_dflash_seq_artifact, RunConfig(probes="shadow")).spec.costs._host.overrun_file != path
+    for damaged in ("[3.0, 2.5", '{"a": 1}', '[3.0, "x"]', "[3.0, -1.0]", "[NaN]", "[true]"):
+        path.write_text(damaged)
+        spec_module._HOST_WORK.clear()
+        fresh = _engine(tiny_dflash_seq_artifact, ROUND_PROBES).spec.costs
+        assert fresh.probe_overrun() == 1.0, damaged
+    fresh.record_probe(2e-3, 1e-3, 1e-3)
+    assert json.loads(path.read_text()) == pytest.approx([2.0])
+
+
 def _plain_until_probe_due(spec, seq, most: int = 1000) -> None:
     """Plain steps of `seq` (each chosen so) until its probe is due; fails after `most`."""
     for _ in range(most):
