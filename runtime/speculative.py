@@ -82,6 +82,7 @@ section 6.5.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import collections
 import contextlib
@@ -453,7 +454,7 @@ class CostModel:
         microseconds."""
         if predicted_extra > 0.25 * plain_s:
             self._host.probe_overrun.append(measured_extra / predicted_extra, 0)
-            self._host.save_overrun()
+            self._host.overrun_changed = True
             return True
         return False
 
@@ -502,20 +503,27 @@ class HostWork:
     The probe overrun's samples persist in `overrun_file` when given: a process starts from what the last
     ones of the same program, settings, device and runtime code measured (`_load_overrun`), so a short run's
     first probe is priced by what probes really cost there (a first probe priced as its blank-call tables say
-    ran in the first of 20 single prompts of every H100 process, and lost it 11-15%: BENCHMARKS.md)."""
+    ran in the first of 20 single prompts of every H100 process, and lost it 11-15%: BENCHMARKS.md). They are
+    written once, when the process exits (`save_overrun`), not after each probe: a write of the cache file
+    takes a few hundred microseconds of host time, a fraction of a probe round on a GPU."""
 
     def __init__(self, overrun_file: Optional[Path] = None):
         self.windows: dict[tuple, _Window] = {}
         self.clock: collections.Counter = collections.Counter()
         self.probe_overrun = _Window(9)  # judged probes' measured over predicted extra seconds (`CostModel`)
         self.overrun_file = overrun_file
-        for value in _load_overrun(overrun_file) if overrun_file is not None else ():
-            self.probe_overrun.append(value, 0)
+        self.overrun_changed = False  # samples taken since the file was read or written
+        if overrun_file is not None:
+            for value in _load_overrun(overrun_file):
+                self.probe_overrun.append(value, 0)
+            atexit.register(self.save_overrun)
 
     def save_overrun(self) -> None:
-        """Keep the probe overrun's samples for later processes (best effort), when a file was given."""
-        if self.overrun_file is not None:
+        """Keep the probe overrun's samples for later processes (best effort), when a file was given and a probe
+        was judged since it was read or last written. Runs at the process's exit."""
+        if self.overrun_file is not None and self.overrun_changed:
             write_cache_file(self.overrun_file, json.dumps(self.probe_overrun.values()))
+            self.overrun_changed = False
 
 
 class _Window:

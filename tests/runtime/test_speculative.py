@@ -551,15 +551,21 @@ def test_a_first_probe_is_priced_by_how_far_earlier_probes_overran_their_predict
 def test_the_probe_overrun_persists_for_the_next_process_and_a_bad_file_is_not_trusted(tiny_dflash_seq_artifact):
     """What probes really cost is kept next to the cost tables: an engine of a later process (here: the
     process-wide knowledge cleared) on the same program and settings starts from it; a damaged file is read as
-    none and written whole again by the next judged probe."""
+    none and written whole again after the next judged probe. The file is written at the process's exit
+    (`HostWork.save_overrun`, registered with atexit), not during steps."""
     costs = _engine(tiny_dflash_seq_artifact, ROUND_PROBES).spec.costs
     path = costs._host.overrun_file
     assert path is not None and not path.exists() and costs.probe_overrun() == 1.0
     for ratio in (3.0, 2.5, 3.5):
         assert costs.record_probe(ratio * 1e-3, 1e-3, 1e-3)
     assert costs.probe_overrun() == pytest.approx(3.0)
+    assert not path.exists()  # no file I/O while steps run
+    costs._host.save_overrun()  # what the process's exit runs
     assert json.loads(path.read_text()) == pytest.approx([3.0, 2.5, 3.5])
-    assert not costs.record_probe(1e-3, 1e-5, 1e-3)  # no sample, nothing written
+    assert not costs.record_probe(1e-3, 1e-5, 1e-3)  # no sample, nothing to write
+    path.write_text("[3.0,2.5,3.5]")  # (json.dumps would space it)
+    costs._host.save_overrun()
+    assert path.read_text() == "[3.0,2.5,3.5]"  # nothing judged since it was written: not written again
     spec_module._HOST_WORK.clear()  # a new process
     later = _engine(tiny_dflash_seq_artifact, ROUND_PROBES).spec.costs
     assert later.probe_overrun() == pytest.approx(3.0)  # from its first probe on
@@ -570,6 +576,7 @@ def test_the_probe_overrun_persists_for_the_next_process_and_a_bad_file_is_not_t
         fresh = _engine(tiny_dflash_seq_artifact, ROUND_PROBES).spec.costs
         assert fresh.probe_overrun() == 1.0, damaged
     fresh.record_probe(2e-3, 1e-3, 1e-3)
+    fresh._host.save_overrun()
     assert json.loads(path.read_text()) == pytest.approx([2.0])
 
 
