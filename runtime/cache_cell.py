@@ -3,7 +3,8 @@
 Layer storage is K and V `[max_cells + 1, Hkv, D]`; the last cell is the
 scratch cell for padding rows. A cell holds one token (one (slot, position))
 in every layer: allocation is per token, shared by all layers, and takes the
-lowest free cell. Per sequence the host keeps the ordered cell list and the
+lowest free cell (a step's new rows slot by slot, in the order the slots first
+appear in the step, each slot's in position order). Per sequence the host keeps the ordered cell list and the
 device keeps `cell_table [n_slots + 1, capacity]` (position -> cell, unused
 entries -> scratch cell), so attention gathers only that sequence's cells.
 Cells carry reference counts: clone shares cells, rewind and release drop
@@ -119,8 +120,13 @@ class BatchedCellCache(KVCache):
 
     # ------------------------------------------------------------------ hooks
 
+    # Admission reads each slot's span, not its rows one by one: a span's rows past the slot's cells take new
+    # cells in one pass (`_apply_step`). A context append of ~90 rows spent 0.4 ms of host time in per-row
+    # admission on an H100 host (BENCHMARKS.md).
+    plans_tokens = False
+
     def _refuse_step(self, plan: StepPlan) -> None:
-        needed = sum(1 for slot, pos in plan.tokens if not self._owned_alone(slot, pos))
+        needed = sum(self._cells_needed(slot, first, last) for slot, (first, last) in plan.spans.items())
         if needed > len(self._free):
             raise CacheError(f"out of cells: the step needs {needed} new cells but {len(self._free)} of "
                              f"max_cells={self.max_cells} are free")
@@ -130,21 +136,45 @@ class BatchedCellCache(KVCache):
         cells = self._cells[slot]
         return pos < len(cells) and cells[pos] >= 0 and self._refs[cells[pos]] == 1
 
+    def _cells_needed(self, slot: int, first: int, last: int) -> int:
+        """New cells that writing positions first..last of `slot` takes: every position past its cells, and
+        those of its cells that are missing or shared."""
+        held = len(self._cells[slot])
+        fresh = last + 1 - max(first, held) if last >= held else 0
+        return fresh + sum(1 for pos in range(first, min(last + 1, held)) if not self._owned_alone(slot, pos))
+
     def _apply_step(self, plan: StepPlan, defer: bool = False) -> None:
         need = max((last + 1 for _, last in plan.spans.values()), default=0)
         if need > self.read_span:
             while self.read_span < need:
                 self.read_span = min(2 * self.read_span, self.capacity)
             self._version += self._span_read
-        for slot, (_, last) in plan.spans.items():
+        # Each span's rows in position order, slots in the step's order: rows within its cells are kept in place
+        # when owned alone, else take a cell (`_take`); rows past them take the lowest free cells, in one pass.
+        slots, positions, placed = [], [], []
+        free, refs = self._free, self._refs
+        for slot, (first, last) in plan.spans.items():
             cells = self._cells[slot]
-            cells.extend([-1] * (last + 1 - len(cells)))  # placeholders, all filled below
-        placed = [(slot, pos, self._take(slot, pos)) for slot, pos in plan.tokens
-                  if not self._owned_alone(slot, pos)]
+            held = len(cells)
+            for pos in range(first, min(last + 1, held)):
+                if not self._owned_alone(slot, pos):
+                    slots.append(slot)
+                    positions.append(pos)
+                    placed.append(self._take(slot, pos))
+            start = max(first, held)
+            if last >= start:
+                new = [heapq.heappop(free) for _ in range(last + 1 - start)]
+                for cell in new:
+                    refs[cell] = 1
+                cells.extend([-1] * (start - held))  # positions before the span, if any, stay placeholders
+                cells.extend(new)
+                slots += [slot] * len(new)
+                positions += range(start, last + 1)
+                placed += new
         if placed and not defer:  # one host tensor, one copy: on a GPU host each small copy costs about a launch
-            index = torch.tensor([x for col in zip(*placed) for x in col], dtype=torch.int64)
-            slots, positions, cells = index.to(self.device, non_blocking=True).view(3, len(placed))
-            self.place(positions, slots, cells)
+            index = torch.tensor(slots + positions + placed, dtype=torch.int64)
+            slots_d, positions_d, cells_d = index.to(self.device, non_blocking=True).view(3, len(placed))
+            self.place(positions_d, slots_d, cells_d)
 
     placement_input = True  # a step may write its cells to the cell table itself (`declare_rows(defer=True)`)
 

@@ -278,16 +278,22 @@ class ModelRunner:
         """Proposal logits [B, T-1, V] for blocks tokens [B, T] anchored at positions[:, 0]."""
         return self.call(C.METHOD_DRAFT_BLOCK, [tokens, positions, seq_slots], [tokens.shape[0]])[0]
 
-    def draft_append(self, hidden: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
-        """Append committed context rows to the draft cache, in calls of at most the method's bound."""
+    def draft_append(self, hidden: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,
+                     spans: Optional[list[tuple[int, int, int]]] = None) -> None:
+        """Append committed context rows to the draft cache, in calls of at most the method's bound. `spans`:
+        the same rows as (slot, first position, rows), one per slot in row order, when the caller has them:
+        each call admits its rows by span (`declare_spans`), not row by row."""
         limit = self._plans[C.METHOD_DRAFT_APPEND].limit
         for lo in range(0, hidden.shape[0], limit):
             hi = lo + limit
-            self.call(C.METHOD_DRAFT_APPEND, [hidden[lo:hi], positions[lo:hi], seq_slots[lo:hi]], [])
+            self.call(C.METHOD_DRAFT_APPEND, [hidden[lo:hi], positions[lo:hi], seq_slots[lo:hi]], [],
+                      spans=None if spans is None else _cut_spans(spans, lo, hi))
 
     def call(self, method: str, inputs: Optional[list], live: list[int], packed: Optional[PackedStep] = None,
-             head: Optional[torch.Tensor] = None) -> list:
+             head: Optional[torch.Tensor] = None, spans: Optional[list[tuple[int, int, int]]] = None) -> list:
         """The one path of every method call: pad -> admit -> graph or eager -> cut (module docstring).
+        `spans` (a method with a cache and no placement input): its live rows as (slot, first position, rows),
+        admitted as spans (`declare_spans`; padding rows need no admission).
         `packed` (the `forward` of `pack`, with `inputs` None): inputs made, padded and listed at once; with
         CUDA graphs they go to the graph's input buffer in one copy. `head` (with `packed`): a device tensor
         that replaces the first elements of the first input (tokens) once on the device. A forward on a layout with a placement
@@ -308,7 +314,9 @@ class ModelRunner:
                 blank = self._blank(plan, size)
                 inputs = [x if x.shape[0] == size else torch.cat([x, to_device(b[x.shape[0]:], x.device)])
                           for x, b in zip(inputs, blank)]
-            if plan.cache is not None:  # padding rows too, as above
+            if spans is not None and not placing:
+                plan.cache.declare_spans(spans)
+            elif plan.cache is not None:  # padding rows too, as above
                 placement = plan.cache.declare_step(inputs[1], inputs[2], defer=placing)
                 if placing:
                     inputs = [*inputs, long_tensor(placement)]
@@ -518,6 +526,17 @@ class ModelRunner:
 # Compiled methods per loaded program, device and matrix product: every runner on one program shares them (their op
 # tables are passed per call), and they go with the program.
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _cut_spans(spans: list[tuple[int, int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The part of `spans` (slot, first position, rows; in row order) that covers rows lo..hi-1."""
+    out, at = [], 0
+    for slot, first, m in spans:
+        a, b = max(lo, at), min(hi, at + m)
+        if a < b:
+            out.append((slot, first + a - at, b - a))
+        at += m
+    return out
 
 
 def _compiled_methods(artifact: Artifact, device: torch.device, plans: dict, table: dict, one_row: bool = True):

@@ -351,6 +351,27 @@ def test_step_beyond_a_limit_is_refused_and_changes_nothing(layout, case):
     assert_outputs_equal(step(cache, rows, qkvs), step(twin, rows, qkvs), "after the refusal")
 
 
+def test_cells_a_step_needs_count_shared_and_new_positions_not_those_owned_alone():
+    """Admission counts, per slot's span, the positions past its cells and those it shares (copy on write);
+    a position whose cell it owns alone is written in place."""
+    cfg = tiny_cfg(4)
+    cache = new_cache(cfg, LAYOUT_CELL, max_cells=8)
+    gen = torch.Generator().manual_seed(5)
+    step(cache, [(0, p) for p in range(4)], random_qkvs(cfg, 4, gen))
+    cache.clone(0, 1, 3)  # slot 1 shares cells 0..2 of slot 0; 4 cells free
+    own = cache.cell_list(0)[3]
+    # slot 1: positions 1, 2 shared and 3 past its cells (3 new); slot 0: 2 shared (1 new), 3 its own, 4 new.
+    rows = [(1, 1), (1, 2), (1, 3), (0, 2), (0, 3), (0, 4)]
+    before = snapshot(cache)
+    with pytest.raises(CacheError, match=r"the step needs 5 new cells but 4 of max_cells=8 are free"):
+        step(cache, rows, random_qkvs(cfg, len(rows), gen))
+    assert_same_state(before, snapshot(cache))
+    step(cache, rows[:-1], random_qkvs(cfg, 5, gen))
+    # 4 cells taken; position 2's old cell, left by both owners, is free again
+    assert cache.cell_list(0)[3] == own and cache.metrics().cells_free == 1
+    assert cache.cell_list(1)[0] == cache.cell_list(0)[0]  # still shared where neither wrote
+
+
 def test_step_needing_more_cells_than_free_is_refused_and_changes_nothing():
     cfg = tiny_cfg(4)
     cache = filled_cache(cfg, LAYOUT_CELL, max_cells=22)  # 19 cells used, 3 free
@@ -500,15 +521,19 @@ def test_placement_takes_the_lowest_free_cell():
     def write(rows):
         step(cache, rows, random_qkvs(cfg, len(rows), gen))
 
-    write([(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (2, 0), (2, 1)])  # step order decides
-    assert [cache.cell_list(s) for s in range(3)] == [[0, 2, 4], [1, 3, 5], [6, 7]]
+    # Rows interleaved in the step: each slot's span takes cells in position order, slots in the order they
+    # first appear in the step.
+    write([(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (2, 0), (2, 1)])
+    assert [cache.cell_list(s) for s in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
     cache.release(1)
     write([(2, 2), (0, 3)])
-    assert cache.cell_list(2) == [6, 7, 1] and cache.cell_list(0) == [0, 2, 4, 3]
-    cache.rewind(0, 2)  # frees 4 and 3
+    assert cache.cell_list(2) == [6, 7, 3] and cache.cell_list(0) == [0, 1, 2, 4]
+    cache.rewind(0, 2)  # frees 2 and 4
     write([(1, p) for p in range(4)])
-    assert cache.cell_list(1) == [3, 4, 5, 8]
-    assert torch.equal(cache.cell_table[1, :5], torch.tensor([3, 4, 5, 8, cache.scratch_cell]))
+    assert cache.cell_list(1) == [2, 4, 5, 8]
+    assert torch.equal(cache.cell_table[1, :5], torch.tensor([2, 4, 5, 8, cache.scratch_cell]))
+    write([(1, 1), (1, 0), (1, 2)])  # its own cells, owned alone: written in place, whatever the rows' order
+    assert cache.cell_list(1) == [2, 4, 5, 8]
 
 
 # --------------------------------------------------------------------------- factory and metrics
