@@ -339,6 +339,7 @@ class CostModel:
         self._sizes = {name: sorted(t) for name, t in self.tables.items()}
         self._seen_sizes: dict[str, set] = {name: set() for name in self.tables}
         self._scale = {name: 1.0 for name in self.tables}  # measured / blank, over every timed call
+        self._doubted: set = set()  # (table, bucket) whose first timed call was left out as a stall (`observe`)
         self.padded = padded
         self.smoothing = smoothing
         self._host = host_work if host_work is not None else HostWork()
@@ -398,7 +399,11 @@ class CostModel:
 
     def observe(self, name: str, n: int, seconds: float) -> None:
         """A measured call of `name` with leading dimension n: its bucket's entry moves towards it, and the
-        entries of buckets not timed yet follow the mean ratio of measured to blank-input time."""
+        entries of buckets not timed yet follow the mean ratio of measured to blank-input time. A bucket's first
+        timed call sets its entry outright, unless it took more than STALL_RATIO times its price: such a call
+        is left out, and the bucket's next call sets the entry whatever it takes (a cost that lasts is learnt
+        one call later). A stalled first call set outright (a 1 s step in a run that competed for the CPU)
+        priced its bucket high until many later calls had pulled it back."""
         table, sizes, blank = self.tables[name], self._sizes[name], self._blank[name]
         if n <= 0:
             return
@@ -407,8 +412,12 @@ class CostModel:
         if expected <= 0 or expected_blank <= 0:
             return
         a = self.smoothing
+        seen = hi in self._seen_sizes[name]
+        if not seen and seconds > STALL_RATIO * expected and (name, hi) not in self._doubted:
+            self._doubted.add((name, hi))
+            return
         self._scale[name] += a * (seconds / expected_blank - self._scale[name])
-        if hi in self._seen_sizes[name]:
+        if seen:
             table[hi] += a * (seconds * table[hi] / expected - table[hi])
         else:
             self._seen_sizes[name].add(hi)

@@ -764,6 +764,23 @@ def test_cost_model_interpolates_and_corrects_online():
 
 
 
+def test_a_stalled_first_call_of_a_bucket_does_not_set_its_price():
+    """A bucket's first timed call sets its entry outright, unless it took more than STALL_RATIO times its
+    price: that call is left out (the ratio for untimed buckets too), and the bucket's next call sets the
+    entry whatever it takes, so a cost that lasts is learnt one call later."""
+    costs = CostModel({1: 1.0, 2: 2.0, 4: 3.0}, {1: 0.5}, {1: 0.1}, padded=True)
+    costs.observe("forward", 4, 30.0)  # a stall: 10x
+    assert (costs.forward(4), costs.forward(1)) == (3.0, 1.0)
+    costs.observe("forward", 4, 3.3)
+    assert costs.forward(4) == pytest.approx(3.3) and costs.forward(1) == pytest.approx(1.02)
+    costs.observe("forward", 4, 30.0)  # a seen bucket: one call moves it a step (smoothing), as before
+    assert costs.forward(4) == pytest.approx(3.3 + 0.2 * 26.7)
+    slow = CostModel({1: 1.0, 2: 2.0, 4: 3.0}, {1: 0.5}, {1: 0.1}, padded=True)
+    slow.observe("forward", 4, 9.0)  # really 3x its blank time: left out once, then learnt
+    slow.observe("forward", 4, 9.0)
+    assert slow.forward(4) == pytest.approx(9.0)
+
+
 def test_host_work_is_the_median_of_recent_steps_per_kind_and_batch():
     costs = CostModel({1: 1.0}, {1: 0.5}, {1: 0.1}, padded=False, window=5, min_samples=3)
     assert costs.residual(PLAIN) == costs.residual(DRAFTING) == costs.residual(FUSED) == 0.0  # unseen: priced low
