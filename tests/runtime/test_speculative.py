@@ -1298,3 +1298,17 @@ def test_drafter_methods_run_with_tf32_matmuls_and_the_target_in_fp32(tiny_dflas
         assert "tf32" not in seen[C.METHOD_FORWARD]
         assert torch.backends.cuda.matmul.fp32_precision != "tf32" and not torch.backends.cuda.matmul.allow_tf32
         monkeypatch.undo()
+
+
+def test_an_appends_spans_are_cut_at_each_calls_rows():
+    """`draft_append` admits each call's rows by span: the spans cut at the call's row bounds name exactly
+    its rows, in order."""
+    from mg.runtime.model_runner import _cut_spans
+
+    spans = [(3, 10, 5), (0, 0, 1), (7, 40, 6)]  # 12 rows: slot 3 at 10..14, slot 0 at 0, slot 7 at 40..45
+    rows = [(slot, first + j) for slot, first, m in spans for j in range(m)]
+    for limit in (1, 2, 4, 5, 12, 13):
+        for lo in range(0, len(rows), limit):
+            cut = _cut_spans(spans, lo, lo + limit)
+            assert [(slot, first + j) for slot, first, m in cut for j in range(m)] == rows[lo:lo + limit]
+            assert all(m > 0 for _, _, m in cut)
