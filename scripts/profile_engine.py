@@ -5,7 +5,8 @@ DFlash engine that never drafts (`no-drafts`: DFlash's bookkeeping alone), with 
 adaptive speculation, on one artifact (default: the embedded default, exported into a
 temporary folder). For each mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
 graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram;
-`--by-kind` adds where the timed run's steps went: count, milliseconds and the longest step by kind (steps with
+`--appends` adds the host time of the timed runs' context appends (committed hidden rows into the draft cache)
+and of their parts, median milliseconds per append. `--by-kind` adds where the timed run's steps went: count, milliseconds and the longest step by kind (steps with
 prompt chunks, without and with drafts; plain decode steps; steps that draft; steps that only read back a step in
 flight), each step timed on the host around `Engine.step` (with overlapped steps a step's time includes the wait
 for the step before it). On
@@ -26,6 +27,7 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -96,6 +98,60 @@ class _StepKinds:
                 for k in KINDS}
 
 
+APPEND_PARTS = ("append", "take", "admit", "calls")
+
+
+class _AppendTimes:
+    """Host time of every context append of one DFlash engine (`Speculator._append_rows`: committed hidden rows
+    into the draft cache) and of its parts: the waiting rows taken (`WaitingRows.take`), their admission to
+    the draft cache (`declare_step` / `declare_spans`) and the runner's `draft_append` calls (padding,
+    admission, copies, graph replay or eager run), with the rows each append carried. Wall time on the host:
+    on a GPU the calls' kernels run after it."""
+
+    def __init__(self, engine) -> None:
+        self.seconds = {part: [] for part in APPEND_PARTS}
+        self.rows: list[int] = []
+        spec, runner = engine.spec, engine.runner
+        inside = [False]
+
+        def timed(part, fn, only_inside=True):
+            def run(*args, **kwargs):
+                if only_inside and not inside[0]:
+                    return fn(*args, **kwargs)
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.seconds[part].append(time.perf_counter() - t0)
+            return run
+
+        append_rows = spec._append_rows
+
+        def append(slots):
+            rows = sum(spec._waiting.count[slot] for slot in slots)
+            inside[0] = rows > 0
+            try:
+                return timed("append", append_rows)(slots) if rows else append_rows(slots)
+            finally:
+                if rows:
+                    self.rows.append(rows)
+                inside[0] = False
+
+        spec._append_rows = append
+        spec._waiting.take = timed("take", spec._waiting.take)
+        cache = runner.draft_cache
+        for name in ("declare_step", "declare_spans"):
+            setattr(cache, name, timed("admit", getattr(cache, name)))
+        runner.call = timed("calls", runner.call)
+
+    def as_dict(self) -> dict:
+        med = lambda v: 1e3 * statistics.median(v) if v else None  # noqa: E731
+        out = {"appends": len(self.rows), "rows_median": statistics.median(self.rows) if self.rows else None}
+        out.update({f"{part}_ms_median": med(v) for part, v in self.seconds.items()})
+        out["calls_per_append"] = len(self.seconds["calls"]) / len(self.rows) if self.rows else None
+        return out
+
+
 def _timed(engine, reqs) -> float:
     import torch
 
@@ -154,6 +210,9 @@ def main() -> int:
     p.add_argument("--profile", type=Path, default=None, help="folder for a cProfile listing per mode")
     p.add_argument("--by-kind", action="store_true",
                    help="also time every step of the timed runs and report steps and milliseconds by kind")
+    p.add_argument("--appends", action="store_true",
+                   help="also time every context append of the timed DFlash runs on the host, and its parts: rows "
+                        "taken, admission, the draft_append calls (median milliseconds per append)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     modes = args.modes.split(",")
@@ -182,6 +241,7 @@ def main() -> int:
             for n in batches:
                 engine = _engine(artifact, mode, args.device)
                 kinds = _StepKinds(engine) if args.by_kind else None
+                appends = _AppendTimes(engine) if args.appends and engine.spec is not None else None
                 captures = engine.graph_counters.captures
                 seconds = _timed(engine, reqs[:n])
                 tokens, stats = engine.stats.generated_tokens, engine.spec_stats
@@ -192,6 +252,8 @@ def main() -> int:
                              "wall_ms": 1e3 * seconds})
                 if kinds is not None:
                     rows[-1]["by_kind"] = kinds.as_dict()
+                if appends is not None:
+                    rows[-1]["appends"] = appends.as_dict()
                 r = rows[-1]
                 print(f"{mode} x{n}: {r['ms_per_step']:.3f} ms/step, {r['tokens_per_s']:.1f} tok/s, "
                       f"{r['captures_during_run']} captures", file=sys.stderr)
@@ -223,6 +285,16 @@ def main() -> int:
         for r in rows:
             cells = [f"{v['steps']}, {v['ms']:.2f} ({v['longest_ms']:.2f})" for v in map(r["by_kind"].get, KINDS)]
             print(f"| {r['mode']} | {r['prompts']} | {r['wall_ms']:.2f} | " + " | ".join(cells) + " |")
+    if args.appends:
+        print("\n| mode | prompts | appends | rows (median) | append ms | take ms | admission ms | calls ms | calls per append |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        for r in rows:
+            a = r.get("appends")
+            if a:
+                print(f"| {r['mode']} | {r['prompts']} | {a['appends']} | {fmt(a['rows_median'])} | "
+                      + " | ".join(fmt(a[f"{part}_ms_median"]) for part in APPEND_PARTS)
+                      + f" | {fmt(a['calls_per_append'])} |")
     for mode, found in sites.items():
         print(f"\nsynchronising calls, {mode}, one prompt: {sum(found.values())}")
         for where, count in found.items():

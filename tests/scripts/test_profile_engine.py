@@ -43,3 +43,27 @@ def test_step_kinds_count_every_step_of_a_run_with_admissions(tiny_dflash_seq_ar
     assert got["plain"]["steps"] > 0
     assert all(v["ms"] >= 0 for v in got.values())
     assert 0 < sum(v["ms"] for v in got.values()) <= 1e3 * wall
+
+
+def test_append_times_count_every_context_append_and_its_rows(tiny_dflash_seq_artifact, monkeypatch):
+    """Every append of committed context is timed once with the rows it carried (together, every row appended
+    to the finished requests' draft contexts), with one admission per draft_append call, and its parts take no
+    longer than it."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import profile_engine
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.config import RunConfig
+    from mg.runtime.engine import Engine
+    from mg.runtime.scheduler import Request
+
+    engine = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig(dflash=True, speculation="fixed"))
+    times = profile_engine._AppendTimes(engine)
+    held = []  # the rows appended to each request's draft context, when it finishes (unfused rounds on the CPU)
+    release = engine.spec.release
+    engine.spec.release = lambda slot: (held.append(engine.spec._appended.get(slot, 0)), release(slot))[1]
+    engine.run([Request(f"r{i}", tuple(range(5 + i, 14 + 2 * i)), 12, ignore_eos=True) for i in range(3)])
+    got = times.as_dict()
+    assert got["appends"] == len(times.seconds["append"]) == len(times.seconds["take"]) > 0
+    assert sum(times.rows) == sum(held) > 0
+    assert len(times.seconds["admit"]) == len(times.seconds["calls"]) >= got["appends"]
+    assert sum(times.seconds["take"]) + sum(times.seconds["calls"]) <= sum(times.seconds["append"])
