@@ -50,7 +50,7 @@ for step in "${steps[@]}"; do
         eval-drafters) python3 scripts/eval_dflash.py --device cuda --draft-weights float,int8,int4 \
                   --speculation adaptive --layouts sequence --out "$OUT/eval_dflash_cuda_drafters.json" 2>&1 \
                   | grep -v "Warning\|return cls" | tee "$OUT/eval_dflash_cuda_drafters.md" ;;
-        profile) python3 scripts/profile_engine.py --device cuda --by-kind --out "$OUT/profile_engine_cuda.json" \
+        profile) python3 scripts/profile_engine.py --device cuda --by-kind --appends --out "$OUT/profile_engine_cuda.json" \
                   --profile "$OUT/profiles" 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/profile_engine_cuda.md" ;;
         host) for o in on off; do
                   python3 scripts/bench_host_step.py --device cuda --batches 1,8 --overlap "$o" \
