@@ -35,6 +35,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 GPTQ = "-gptq"  # a scheme suffix: the target's linears rounded by GPTQ on the calibration text
+HEAD = "-head"  # a scheme suffix (last): the target's LM head quantized too (`mg-export --quantize-head`)
+
+
+def _parts(scheme: str) -> tuple[str, bool, bool]:
+    """A scheme's (weights, by GPTQ, head quantized too): "int4-gptq-head" -> ("int4", True, True)."""
+    head = scheme.endswith(HEAD)
+    base = scheme.removesuffix(HEAD)
+    return base.removesuffix(GPTQ), base.endswith(GPTQ), head
 
 
 def _export(checkpoint, draft_checkpoint, scheme: str, group_size: int, out: Path, max_context: int,
@@ -42,18 +50,19 @@ def _export(checkpoint, draft_checkpoint, scheme: str, group_size: int, out: Pat
     from mg.export.artifact import PRESET_SEED, ExportOptions, export_artifact, load_target
     from mg.export.draft_lower import load_draft
 
-    weights = scheme.removesuffix(GPTQ)
+    weights, gptq, head = _parts(scheme)
     target = load_target(checkpoint, None)
     draft = load_draft(draft_checkpoint, None, target.cfg, PRESET_SEED)
     opts = ExportOptions(output_dir=out, layout="sequence", max_seqs=20, max_context=max_context, max_write=128,
                          force=True, weights=weights, group_size=group_size if weights == "int4" else None,
-                         calibration=calibration if scheme.endswith(GPTQ) else None)
+                         quantize_head=head, calibration=calibration if gptq else None)
     export_artifact(opts, target, lambda msg: print(f"  [export {scheme}] {msg}", file=sys.stderr), draft)
     return out
 
 
 def _eager(checkpoint: Path, scheme: str, group_size: int, calibration: Path | None):
-    """The float target from `checkpoint`, its linears (not the head) quantized as the export does."""
+    """The float target from `checkpoint`, its linears (the head too for a `-head` scheme) quantized as the
+    export does."""
     import torch
 
     from mg.export.checkpoint import load_config
@@ -66,11 +75,11 @@ def _eager(checkpoint: Path, scheme: str, group_size: int, calibration: Path | N
     model = MuseGlimmer(cfg).eval()
     source = SafetensorsWeights(checkpoint)
     if scheme != "float":
-        weights = scheme.removesuffix(GPTQ)
-        plan = quantize_linears(model, weights, group_size if weights == "int4" else None, frozenset({"output"}),
-                                device="cpu")
+        weights, gptq, head = _parts(scheme)
+        plan = quantize_linears(model, weights, group_size if weights == "int4" else None,
+                                frozenset() if head else frozenset({"output"}), device="cpu")
         factors = None
-        if scheme.endswith(GPTQ):  # as `mg-export --calibration` does; the same for int8 and int4
+        if gptq:  # as `mg-export --calibration` does; the same for int8 and int4
             factors = _eager_factors(checkpoint, calibration, tuple((n, p.shape[1]) for n, p in plan.items()))
         source = QuantizedWeights(source, plan, factors)
     with torch.no_grad():
@@ -155,7 +164,8 @@ def main() -> int:
     p.add_argument("--draft-checkpoint", type=Path, default=None)
     p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
     p.add_argument("--schemes", default="float,int8,int4",
-                   help="float first, then int8, int4, int8-gptq, int4-gptq (GPTQ on --calibration)")
+                   help="float first, then int8, int4, int8-gptq, int4-gptq (GPTQ on --calibration), each also "
+                        "with -head (the LM head quantized too: int4-head, int8-gptq-head)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="text for the -gptq schemes [default: this Python's standard library files outside the "
                         "embedded default's held-out split and the prompts' files, as train_tiny.py splits them]")
@@ -168,9 +178,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     schemes = args.schemes.split(",")
-    allowed = ("float", "int8", "int4", "int8" + GPTQ, "int4" + GPTQ)
-    if schemes[0] != "float" or any(s not in allowed for s in schemes):
-        p.error(f"--schemes is {args.schemes!r}; allowed: float first, then any of {', '.join(allowed[1:])}")
+    quantized = ("int8", "int4", "int8" + GPTQ, "int4" + GPTQ)
+    allowed = ("float", *quantized, *(q + HEAD for q in quantized))
+    if schemes[0] != "float" or any(s not in allowed for s in schemes) or len(set(schemes)) != len(schemes):
+        p.error(f"--schemes is {args.schemes!r}; allowed: float first, then distinct ones of {', '.join(allowed[1:])}")
     if args.repeats < 1:
         p.error(f"--repeats is {args.repeats}; allowed: an integer >= 1")
     from mg.kernels.quiet import quiet_dependencies
@@ -188,7 +199,7 @@ def main() -> int:
         args.checkpoint, args.draft_checkpoint = default_checkpoints()
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     workdir = tempfile.TemporaryDirectory()
-    if any(s.endswith(GPTQ) for s in schemes) and args.calibration is None:
+    if any(_parts(s)[1] for s in schemes) and args.calibration is None:
         args.calibration = _stdlib_calibration(Path(workdir.name) / "calibration.txt", {r["id"] for r in rows})
     inv = args.row_invariant == "on"
     run = functools.partial(_run, row_invariant=inv)
