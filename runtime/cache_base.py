@@ -93,11 +93,14 @@ class KVCache(abc.ABC):
         self._admit(self._plan(positions, seq_slots), defer)
         return self._placement(positions, seq_slots) if defer else None
 
-    def declare_spans(self, spans: list[tuple[int, int, int]]) -> None:
+    def declare_spans(self, spans: list[tuple[int, int, int]], defer: bool = False) -> Optional[list[int]]:
         """`declare_rows` of rows given as spans (slot, first position, rows), one per live slot: a fused round's
-        (its padding rows, on the scratch slot, need no admission). The same checks and the same effect as
-        the rows listed one by one, without a loop over rows where the layout needs none."""
-        self._admit(self._plan_spans(spans))
+        or a context append's (their padding rows, on the scratch slot, need no admission). The same checks
+        and the same effect as the rows listed one by one, without a loop over rows where the layout needs
+        none. `defer`: as `declare_rows`; the placement returned is of the spans' rows only."""
+        defer = defer and self.placement_input
+        self._admit(self._plan_spans(spans), defer)
+        return self._placement_spans(spans) if defer else None
 
     def _admit(self, plan: StepPlan, defer: bool = False) -> None:
         """Refuse the planned step with nothing changed, or apply it and extend the slots' lengths."""
@@ -116,6 +119,9 @@ class KVCache(abc.ABC):
         raise NotImplementedError(f"the {self.layout} layout has no placement input")
 
     def _placement(self, positions: list[int], seq_slots: list[int]) -> list[int]:
+        raise NotImplementedError(f"the {self.layout} layout has no placement input")
+
+    def _placement_spans(self, spans: list[tuple[int, int, int]]) -> list[int]:
         raise NotImplementedError(f"the {self.layout} layout has no placement input")
 
     @abc.abstractmethod

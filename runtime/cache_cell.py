@@ -188,6 +188,13 @@ class BatchedCellCache(KVCache):
         cells, scratch, scratch_cell = self._cells, self.scratch_slot, self.scratch_cell
         return [scratch_cell if slot == scratch else cells[slot][pos] for slot, pos in zip(seq_slots, positions)]
 
+    def _placement_spans(self, spans: list[tuple[int, int, int]]) -> list[int]:
+        """Each row's cell after admission, the spans' rows in order."""
+        cells, out = self._cells, []
+        for slot, first, m in spans:
+            out += cells[slot][first:first + m]
+        return out
+
     def _take(self, slot: int, pos: int) -> int:
         """Place (slot, pos) in the lowest free cell; a shared cell it replaces stays with its other owners."""
         cell = heapq.heappop(self._free)

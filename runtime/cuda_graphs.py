@@ -3,8 +3,11 @@
 A `GraphRunner` serves one program method on CUDA. Per bucket (the padded size of the
 method's leading dimension) it warms the method up once on padding-only inputs, captures
 `call(static_inputs)` (the method run with its caller's op bindings) in a CUDA graph, and from
-then on copies each call's (already padded) inputs into the static buffers (inputs of one dtype are views of
-one buffer, and host inputs go in one copy) and replays. A capture remembers the
+then on copies each call's inputs into the static buffers and replays. The index inputs (int64: tokens,
+positions, slots, placement) are views of one buffer, so host ones go in one copy. A call may pass only its
+live rows: an index input's padding rows are then its blank rows (the scratch slot, so they change no live
+sequence); a payload input's (floats: hidden rows) keep what an earlier call left there, which only padding
+rows read. A capture remembers the
 storage version of the cache it reads (`version()`); when the cache moved its storage
 (growth), the graph is captured again (a recapture) before the next replay.
 
@@ -97,20 +100,26 @@ class _Captured:
     inputs: list  # static input buffers [bucket, ...]
     outputs: list  # static outputs, overwritten by every replay
     version: int  # the storage version the graph read
-    flat: Optional[torch.Tensor] = None  # one buffer the inputs are views of, when they share a dtype
+    flat: Optional[torch.Tensor] = None  # one buffer the index inputs are views of (`_static_inputs`)
+    joined: tuple = ()  # which inputs are views of `flat`, in order
+    blank: tuple = ()  # the blank inputs on the device: padding rows of index inputs (`GraphRunner.run`)
+    host_blank: dict = None  # input -> its blank on the host, for the inputs of `flat`
 
 
-def _static_inputs(blank: list) -> tuple[list, Optional[torch.Tensor]]:
-    """The static input buffers of a capture, filled with `blank`: views of one flat buffer when the inputs
-    share a dtype (so host inputs are copied in at once), else a buffer each."""
-    if len({t.dtype for t in blank}) != 1:
-        return [t.clone() for t in blank], None
-    flat = torch.cat([t.reshape(-1) for t in blank])
-    views, at = [], 0
-    for t in blank:
-        views.append(flat.narrow(0, at, t.numel()).view(t.shape))
-        at += t.numel()
-    return views, flat
+def _static_inputs(blank: list) -> tuple[list, Optional[torch.Tensor], tuple]:
+    """The static input buffers of a capture, filled with `blank`: the index inputs (int64) are views of one
+    flat buffer (so host ones are copied in at once), every other input a buffer of its own. -> (buffers, flat
+    or None, the inputs that are views of flat)."""
+    joined = tuple(i for i, t in enumerate(blank) if t.dtype == torch.long)
+    views = [t.clone() if i not in joined else None for i, t in enumerate(blank)]
+    if not joined:
+        return views, None, ()
+    flat = torch.cat([blank[i].reshape(-1) for i in joined])
+    at = 0
+    for i in joined:
+        views[i] = flat.narrow(0, at, blank[i].numel()).view(blank[i].shape)
+        at += blank[i].numel()
+    return views, flat, joined
 
 
 class GraphRunner:
@@ -134,32 +143,51 @@ class GraphRunner:
 
     def run(self, bucket: int, inputs: Optional[Sequence[torch.Tensor]], flat: Optional[torch.Tensor] = None,
             head: Optional[torch.Tensor] = None) -> list:
-        """Replay `bucket`'s graph on `inputs` (padded to the bucket), capturing it first when needed. `flat`
-        instead of `inputs`: one host tensor of every input's elements in order, for a graph whose inputs
-        share a dtype: copied into the input buffer as it is. `head`: a device tensor copied over the first
-        elements of the first input after that (values the device made, never waited for on the host)."""
+        """Replay `bucket`'s graph on `inputs` (each padded to the bucket, or only its live rows: module
+        docstring), capturing it first when needed. `flat` instead of `inputs`: one host tensor of every input's
+        elements in order, for a graph whose inputs are all index inputs: copied into the input buffer as it
+        is. `head`: a device tensor copied over the first elements of the first input after that (values the
+        device made, never waited for on the host)."""
         version = self.version()
         g = self._graphs.get(bucket)
         if g is None or g.version != version:
             self._drop_stale(version)
             g = self._capture(bucket, version)
         if flat is not None:
-            if g.flat is None or flat.numel() != g.flat.numel() or flat.dtype != g.flat.dtype:
+            if len(g.joined) != len(g.inputs) or flat.numel() != g.flat.numel() or flat.dtype != g.flat.dtype:
                 raise ValueError(f"flat inputs of {flat.numel()} {flat.dtype} elements for a graph whose inputs are "
-                                 + ("not one buffer" if g.flat is None else f"{g.flat.numel()} {g.flat.dtype}"))
+                                 + (f"{g.flat.numel()} {g.flat.dtype}" if len(g.joined) == len(g.inputs)
+                                    else "not one buffer"))
             g.flat.copy_(flat, non_blocking=True)
-        elif g.flat is not None and all(x.device.type == "cpu" for x in inputs):
-            # Host inputs (a step's tokens, positions, slots, rows) go in one host-to-device copy: on a GPU host
-            # each copy costs about as much host time as a kernel launch, and a small step is host-bound.
-            g.flat.copy_(torch.cat([x.reshape(-1) for x in inputs]), non_blocking=True)
         else:
-            for buf, x in zip(g.inputs, inputs):
-                buf.copy_(x, non_blocking=True)
+            self._copy_in(g, inputs, bucket)
         if head is not None:
             g.inputs[0][:head.shape[0]].copy_(head)
         g.graph.replay()
         self.counters.replays += 1
         return g.outputs
+
+    @staticmethod
+    def _copy_in(g: _Captured, inputs: Sequence[torch.Tensor], bucket: int) -> None:
+        """`inputs` into the static buffers, padded as the module docstring says. Index inputs on the host go in
+        one host-to-device copy (with their padding rows, made on the host): on a GPU host each copy costs about
+        as much host time as a kernel launch, and a small step is host-bound."""
+        joined = g.joined if all(inputs[i].device.type == "cpu" for i in g.joined) else ()
+        pieces = []
+        for i, (buf, x) in enumerate(zip(g.inputs, inputs)):
+            m = x.shape[0]
+            if i in joined:
+                pieces.append(x.reshape(-1))
+                if m < bucket:
+                    pieces.append(g.host_blank[i][m:].reshape(-1))
+            elif m == bucket:
+                buf.copy_(x, non_blocking=True)
+            else:
+                buf[:m].copy_(x, non_blocking=True)
+                if buf.dtype == torch.long:  # an index input's padding rows: blank (a payload's keep theirs)
+                    buf[m:].copy_(g.blank[i][m:])
+        if pieces:
+            g.flat.copy_(torch.cat(pieces) if len(pieces) > 1 else pieces[0], non_blocking=True)
 
     def _drop_stale(self, version: int) -> None:
         """Graphs of an older storage version point at freed storage: never replay them."""
@@ -169,7 +197,8 @@ class GraphRunner:
     def _capture(self, bucket: int, version: int) -> _Captured:
         if not self._graphs:  # a pool dies with its last graph; torch refuses to capture into a dead one
             self._pool = torch.cuda.graph_pool_handle()
-        inputs, flat = _static_inputs(self.blank(bucket))
+        blank = self.blank(bucket)
+        inputs, flat, joined = _static_inputs(blank)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy inits and Triton compiles happen outside the capture
@@ -195,6 +224,7 @@ class GraphRunner:
         if bucket in self._ever:
             self.counters.recaptures += 1
         self._ever.add(bucket)
-        g = _Captured(graph, inputs, list(outputs), version, flat)
+        g = _Captured(graph, inputs, list(outputs), version, flat, joined, tuple(blank),
+                      {i: blank[i].cpu() for i in joined})
         self._graphs[bucket] = g
         return g

@@ -212,7 +212,10 @@ class ModelRunner:
             self._compiled, self.compile_stats = _compiled_methods(artifact, self.device, self._plans, self.ops,
                                                                    one_row=not config.row_invariant_mm)
         self._sink: Optional[HiddenSink] = None
-        self._placing = self.cache.placement_input  # forward steps write the admission's placement themselves
+        # Methods whose calls write their admission's placement themselves (layouts with a placement input: the
+        # cell table), from one more input column, inside the call's graph: no copy and launch of its own.
+        self._placing = {name for name, plan in self._plans.items()
+                         if plan.cache is not None and plan.cache.placement_input}
         self._graphs: dict[str, GraphRunner] = {}
         if config.graphs:
             for name, plan in self._plans.items():
@@ -292,15 +295,18 @@ class ModelRunner:
     def call(self, method: str, inputs: Optional[list], live: list[int], packed: Optional[PackedStep] = None,
              head: Optional[torch.Tensor] = None, spans: Optional[list[tuple[int, int, int]]] = None) -> list:
         """The one path of every method call: pad -> admit -> graph or eager -> cut (module docstring).
-        `spans` (a method with a cache and no placement input): its live rows as (slot, first position, rows),
-        admitted as spans (`declare_spans`; padding rows need no admission).
+        `spans` (a method with a cache, `inputs` its live rows): those rows as (slot, first position, rows),
+        admitted as spans (`declare_spans`; padding rows need no admission, so with CUDA graphs the call
+        passes its live rows and the graph's input buffers pad them: `GraphRunner.run`).
         `packed` (the `forward` of `pack`, with `inputs` None): inputs made, padded and listed at once; with
         CUDA graphs they go to the graph's input buffer in one copy. `head` (with `packed`): a device tensor
-        that replaces the first elements of the first input (tokens) once on the device. A forward on a layout with a placement
-        input (the cell layout) gets the admission's placement as one more input, written by the step itself."""
+        that replaces the first elements of the first input (tokens) once on the device. A method whose cache
+        has a placement input (the cell layout: forward and draft_append) gets the admission's placement as
+        one more input, written by the call itself."""
         plan = self._plans[method]
         t0 = time.perf_counter()
-        placing = self._placing and method == C.METHOD_FORWARD
+        placing = method in self._placing
+        graphs = self._graphs.get(method)
         flat = None
         if packed is not None:
             size = packed.size
@@ -310,17 +316,18 @@ class ModelRunner:
         else:
             rows = max(x.shape[0] for x in inputs)
             size = bucket_for(rows, plan.limit) if self.config.padded else None
-            if size is not None:
-                blank = self._blank(plan, size)
+            # Padded here unless a graph pads them and no padding row needs admission (row by row admits them).
+            if size is not None and rows < size and (graphs is None or (plan.cache is not None and spans is None)):
                 inputs = [x if x.shape[0] == size else torch.cat([x, to_device(b[x.shape[0]:], x.device)])
-                          for x, b in zip(inputs, blank)]
-            if spans is not None and not placing:
-                plan.cache.declare_spans(spans)
+                          for x, b in zip(inputs, self._blank(plan, size))]
+            if spans is not None:
+                placement = plan.cache.declare_spans(spans, defer=placing)
+                if placing and inputs[0].shape[0] > len(placement):  # padded above: the scratch cell
+                    placement += [plan.cache.scratch_cell] * (inputs[0].shape[0] - len(placement))
             elif plan.cache is not None:  # padding rows too, as above
                 placement = plan.cache.declare_step(inputs[1], inputs[2], defer=placing)
-                if placing:
-                    inputs = [*inputs, long_tensor(placement)]
-        graphs = self._graphs.get(method)
+            if placing:
+                inputs = [*inputs, long_tensor(placement)]
         if size is not None and graphs is not None:
             out = graphs.run(size, inputs, flat, head)
         else:
@@ -330,7 +337,7 @@ class ModelRunner:
                 inputs = list(to_device(flat, self.device).split(lengths))
                 if head is not None:  # (on CPU into this call's own host tensor: `flat` makes one per call)
                     inputs[0][:head.shape[0]] = head
-            out = self._run(method, inputs, size is not None, extras=method == C.METHOD_FORWARD)
+            out = self._run(method, inputs, size is not None, extras=True)
         if self.call_log is not None:
             self.call_log.append((method, live[-1] if live else rows, time.perf_counter() - t0))  # live rows
         return out if size is None else plan.cut(out, live)
@@ -438,17 +445,17 @@ class ModelRunner:
         return blank
 
     def _device_blank(self, plan: _Plan) -> Callable[[int], list]:
-        """A graph's blank inputs: a call's, and for `forward` on a layout with a placement input the padding
+        """A graph's blank inputs: a call's, and for a method whose cache has a placement input the padding
         rows' placement (the scratch cell), which `call` adds after admission."""
         def blank(size: int) -> list:
             inputs = self._call_blank(plan, size)
-            if self._placing and plan.name == C.METHOD_FORWARD:
-                inputs.append(torch.full((size,), self.cache.scratch_cell, dtype=torch.long))
+            if plan.name in self._placing:
+                inputs.append(torch.full((size,), plan.cache.scratch_cell, dtype=torch.long))
             return [x.to(self.device) for x in inputs]
         return blank
 
     def _eager_call(self, method: str) -> Callable[[list], list]:
-        return lambda inputs: self._run(method, inputs, True, extras=method == C.METHOD_FORWARD)
+        return lambda inputs: self._run(method, inputs, True, extras=True)
 
     @property
     def plans(self) -> dict:
@@ -462,17 +469,17 @@ class ModelRunner:
         return self._run(method, inputs, True)
 
     def _run(self, method: str, inputs: list, padded: bool, extras: bool = False) -> list:
-        """The method once, without graphs. `extras`: the inputs end with what the call path adds to a forward's
-        (`call`): the hidden sink's destinations, then the placement of a layout that takes it; the placement
-        is written to the cache first, and the hidden rows to the sink after."""
+        """The method once, without graphs. `extras`: the inputs end with what the call path adds to the
+        method's own (`call`): a forward's hidden sink destinations, then the placement where the method's
+        cache takes one; the placement is written to the cache first, and the hidden rows to the sink after."""
         dst = placement = None
         if extras:
-            if self._placing:
+            if method in self._placing:
                 inputs, placement = inputs[:-1], inputs[-1]
-            if self._sink is not None:
+            if method == C.METHOD_FORWARD and self._sink is not None:
                 inputs, dst = inputs[:-1], inputs[-1]
         if placement is not None:
-            self.cache.place(inputs[1], inputs[2], placement)
+            self._plans[method].cache.place(inputs[1], inputs[2], placement)
         out = self._execute(method, inputs, padded)
         if dst is not None:
             self._sink.buffer().index_copy_(0, dst, out[1])

@@ -588,10 +588,11 @@ def test_update_and_attend_replays_from_a_cuda_graph(layout):
 def test_deferred_placement_writes_the_same_cell_table_when_the_step_places_it():
     """Admission with `defer=True` updates the host's cells but leaves the device cell table to the step: the
     placement it returns (padding rows: the scratch cell), written by `place`, gives the table admission writes
-    itself, through fresh placements, rewinds, clone-shared cells (copy on write) and padding rows. The
+    itself, through fresh placements, rewinds, clone-shared cells (copy on write) and padding rows; so does the
+    placement of the live rows admitted as spans (`declare_spans(..., defer=True)`: a context append's). The
     sequence layout takes no placement input."""
     cfg = tiny_cfg(4)
-    direct, deferred = new_cache(cfg, LAYOUT_CELL), new_cache(cfg, LAYOUT_CELL)
+    direct, deferred, by_spans = new_cache(cfg, LAYOUT_CELL), new_cache(cfg, LAYOUT_CELL), new_cache(cfg, LAYOUT_CELL)
     scratch = direct.scratch_slot
     steps = [[(0, p) for p in range(5)] + [(1, 0), (1, 1)] + [(scratch, 0)] * 1,
              [(0, 5), (1, 2), (scratch, 0), (scratch, 0)],
@@ -599,10 +600,10 @@ def test_deferred_placement_writes_the_same_cell_table_when_the_step_places_it()
              "clone", [(2, 2), (2, 3), (0, 5)]]
     for rows in steps:
         if rows == "rewind":
-            direct.rewind(0, 3), deferred.rewind(0, 3)
+            direct.rewind(0, 3), deferred.rewind(0, 3), by_spans.rewind(0, 3)
             continue
         if rows == "clone":
-            direct.clone(0, 2, 3), deferred.clone(0, 2, 3)
+            direct.clone(0, 2, 3), deferred.clone(0, 2, 3), by_spans.clone(0, 2, 3)
             continue
         positions, slots = [p for _, p in rows], [s for s, _ in rows]
         assert direct.declare_rows(positions, slots) is None
@@ -615,9 +616,16 @@ def test_deferred_placement_writes_the_same_cell_table_when_the_step_places_it()
         deferred.place(torch.tensor(positions), torch.tensor(slots), torch.tensor(placement))
         assert torch.equal(deferred.cell_table, direct.cell_table)
         assert [deferred.cell_list(s) for s in range(N_SLOTS)] == [direct.cell_list(s) for s in range(N_SLOTS)]
+        live = [(s, p) for s, p in rows if s != scratch]
+        before = by_spans.cell_table.clone()
+        placement = by_spans.declare_spans(as_spans(live), defer=True)
+        assert torch.equal(by_spans.cell_table, before) and len(placement) == len(live)
+        by_spans.place(torch.tensor([p for _, p in live]), torch.tensor([s for s, _ in live]), torch.tensor(placement))
+        assert torch.equal(by_spans.cell_table, direct.cell_table)
     sequence = new_cache(cfg, LAYOUT_SEQUENCE)
     assert not sequence.placement_input
     assert sequence.declare_rows([0, 1], [0, 0], defer=True) is None
+    assert sequence.declare_spans([(0, 2, 2)], defer=True) is None
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -62,6 +62,26 @@ def test_buckets_are_powers_of_two_then_the_limit():
     assert bucket_for(25, 24) is None
 
 
+def test_static_inputs_pad_a_calls_live_rows_with_blank_index_rows():
+    """The copy into a graph's static inputs (host tensors stand in for the device's): index inputs are views of
+    one buffer and go in one copy; a call of fewer rows than the bucket gets its index inputs' blank rows after
+    its own, even after a call with more rows, and its payload's live rows (the rest kept)."""
+    from mg.runtime.cuda_graphs import GraphRunner, _Captured, _static_inputs
+
+    blank = [torch.zeros(4, 2), torch.full((4,), 7), torch.arange(8).view(4, 2) + 100]
+    buffers, flat, joined = _static_inputs(blank)
+    assert joined == (1, 2) and flat.numel() == 12 and buffers[2].data_ptr() == flat.data_ptr() + 4 * 8
+    g = _Captured(None, buffers, [], 0, flat, joined, tuple(blank), {i: blank[i].clone() for i in joined})
+    payload = torch.arange(8.0).view(4, 2) + 1
+    GraphRunner._copy_in(g, [payload, torch.tensor([1, 2, 3, 4]), torch.arange(8).view(4, 2)], 4)
+    assert torch.equal(buffers[0], payload) and buffers[1].tolist() == [1, 2, 3, 4]
+    GraphRunner._copy_in(g, [-payload[:1], torch.tensor([5]), torch.tensor([[9, 9]])], 4)
+    assert buffers[0].tolist() == [[-1.0, -2.0]] + payload[1:].tolist()
+    assert buffers[1].tolist() == [5, 7, 7, 7]
+    assert buffers[2].tolist() == [[9, 9], [102, 103], [104, 105], [106, 107]]
+    assert torch.equal(blank[1], torch.full((4,), 7))  # the blank itself never written
+
+
 @pytest.mark.parametrize("which", TARGETS)
 def test_padding_rows_on_the_scratch_slot_never_change_live_outputs(which, request, tiny_cfg):
     art = request.getfixturevalue(which)
@@ -250,3 +270,28 @@ def test_capture_survives_garbage_collection_of_a_dropped_engine(tiny_dflash_seq
             gc.set_threshold(1, 1, 1)  # from now on nearly every allocation runs a full collection
     finally:
         gc.set_threshold(*threshold)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_call_of_live_rows_pads_index_inputs_with_blank_rows():
+    """A call may pass only its live rows: an index input's padding rows are its blank rows again after a
+    call with more live rows (else a padding row would name a live sequence's slot and position), whether the
+    index inputs come from the host in one copy or from the device; a payload input's live rows are copied."""
+    from mg.runtime.cuda_graphs import GraphCounters, GraphRunner
+
+    def blank(b):
+        return [torch.zeros(b, 2, device="cuda"), torch.full((b,), 7, device="cuda"),
+                torch.full((b,), 9, device="cuda")]
+
+    counters = GraphCounters()
+    runner = GraphRunner(lambda inputs: [x * 1 for x in inputs], blank, lambda: 0, counters)
+    payload = torch.arange(8.0, device="cuda").view(4, 2) + 1
+    out = runner.run(4, [payload, torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8])])
+    assert out[1].tolist() == [1, 2, 3, 4] and out[2].tolist() == [5, 6, 7, 8]
+    for index_device in ("cpu", "cuda"):  # one joined host copy; a device input's own copy
+        out = runner.run(4, [-payload[:2], torch.tensor([11, 12]), torch.tensor([13, 14], device=index_device)])
+        assert out[0][:2].tolist() == (-payload[:2]).tolist()
+        assert out[1].tolist() == [11, 12, 7, 7] and out[2].tolist() == [13, 14, 9, 9]
+        runner.run(4, [payload, torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8])])
+    assert counters.captures == 1
