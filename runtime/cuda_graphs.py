@@ -11,8 +11,8 @@ rows read. A capture remembers the
 storage version of the cache it reads (`version()`); when the cache moved its storage
 (growth), the graph is captured again (a recapture) before the next replay.
 
-Callers own what happens outside the graph: admission (`cache.declare_step` runs on the
-host, before the replay, with the padded rows), and consuming the outputs before the
+Callers own what happens outside the graph: admission (on the host, before the replay: row by row with
+the padding rows, or by span without them), and consuming the outputs before the
 next replay of the same runner (outputs are static buffers that the next replay reuses).
 
 Also here: the one decision "Triton attention or the torch reference" for a cache on a
@@ -102,7 +102,7 @@ class _Captured:
     version: int  # the storage version the graph read
     flat: Optional[torch.Tensor] = None  # one buffer the index inputs are views of (`_static_inputs`)
     joined: tuple = ()  # which inputs are views of `flat`, in order
-    blank: tuple = ()  # the blank inputs on the device: padding rows of index inputs (`GraphRunner.run`)
+    blank: tuple = ()  # the index inputs' blanks on the device (None for others): padding rows (`GraphRunner.run`)
     host_blank: dict = None  # input -> its blank on the host, for the inputs of `flat`
 
 
@@ -195,10 +195,23 @@ class GraphRunner:
             del self._graphs[b]
 
     def _capture(self, bucket: int, version: int) -> _Captured:
-        if not self._graphs:  # a pool dies with its last graph; torch refuses to capture into a dead one
-            self._pool = torch.cuda.graph_pool_handle()
         blank = self.blank(bucket)
         inputs, flat, joined = _static_inputs(blank)
+        graph, outputs = self._record(inputs)
+        self.counters.captures += 1
+        if bucket in self._ever:
+            self.counters.recaptures += 1
+        self._ever.add(bucket)
+        g = _Captured(graph, inputs, list(outputs), version, flat, joined,
+                      tuple(b if i in joined else None for i, b in enumerate(blank)),  # (only index rows are read)
+                      {i: blank[i].cpu() for i in joined})
+        self._graphs[bucket] = g
+        return g
+
+    def _record(self, inputs: list) -> tuple:
+        """The method on the static `inputs`, warmed up and captured: -> (CUDA graph, its static outputs)."""
+        if not self._graphs:  # a pool dies with its last graph; torch refuses to capture into a dead one
+            self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy inits and Triton compiles happen outside the capture
@@ -220,11 +233,4 @@ class GraphRunner:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        self.counters.captures += 1
-        if bucket in self._ever:
-            self.counters.recaptures += 1
-        self._ever.add(bucket)
-        g = _Captured(graph, inputs, list(outputs), version, flat, joined, tuple(blank),
-                      {i: blank[i].cpu() for i in joined})
-        self._graphs[bucket] = g
-        return g
+        return graph, outputs

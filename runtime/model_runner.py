@@ -317,7 +317,8 @@ class ModelRunner:
             rows = max(x.shape[0] for x in inputs)
             size = bucket_for(rows, plan.limit) if self.config.padded else None
             # Padded here unless a graph pads them and no padding row needs admission (row by row admits them).
-            if size is not None and rows < size and (graphs is None or (plan.cache is not None and spans is None)):
+            short = size is not None and any(x.shape[0] != size for x in inputs)
+            if short and (graphs is None or (plan.cache is not None and spans is None)):
                 inputs = [x if x.shape[0] == size else torch.cat([x, to_device(b[x.shape[0]:], x.device)])
                           for x, b in zip(inputs, self._blank(plan, size))]
             if spans is not None:

@@ -82,6 +82,79 @@ def test_static_inputs_pad_a_calls_live_rows_with_blank_index_rows():
     assert torch.equal(blank[1], torch.full((4,), 7))  # the blank itself never written
 
 
+def _drafts(engine) -> list:
+    """Record the drafts (argmax of each block's logits) of every `draft_block` call `engine` makes from now on."""
+    seen, real = [], engine.runner.draft_block
+
+    def draft_block(tokens, positions, seq_slots):
+        out = real(tokens, positions, seq_slots)
+        seen.append(out.argmax(-1).tolist())
+        return out
+
+    engine.runner.draft_block = draft_block
+    return seen
+
+
+class _ReplayedEagerly:
+    """A stand-in for a captured CUDA graph on the CPU: each replay runs the method again, on the static inputs,
+    into the static outputs."""
+
+    def __init__(self, call, inputs: list, outputs: list):
+        self.call, self.inputs, self.outputs = call, inputs, outputs
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.call(self.inputs)):
+            out.copy_(new)
+
+
+def _eager_graph_runner():
+    from mg.runtime.cuda_graphs import GraphRunner
+
+    class EagerGraphRunner(GraphRunner):
+        def _record(self, inputs):
+            outputs = [o.clone() for o in self.call(inputs)]
+            return _ReplayedEagerly(self.call, inputs, outputs), outputs
+
+    return EagerGraphRunner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", DFLASH)
+def test_the_graph_input_path_replayed_eagerly_gives_the_tokens_of_padded_calls(which, request, tiny_cfg, monkeypatch):
+    """The call path into graphs' static buffers as on CUDA (calls of live rows padded by the buffers, the cell
+    layout's placement as an input), each replay run eagerly on the CPU: the tokens and the drafts (so the
+    drafter's context) of padded calls without graphs, and calls of fewer live rows than their bucket did happen
+    (context appends)."""
+    from mg.runtime.cuda_graphs import GraphRunner
+
+    art = request.getfixturevalue(which)
+    reqs = _requests(tiny_cfg.vocab_size, lengths=(6, 27, 13), max_new=(12, 16, 9))
+    reference = _engine(art, pad_steps=True, speculation="fixed")
+    want_drafts = _drafts(reference)
+    want = _tokens(reference, reqs)
+    engine = _engine(art, pad_steps=True, speculation="fixed")
+    runner = engine.runner
+    runner._graphs = {name: _eager_graph_runner()(
+        runner._eager_call(name), runner._device_blank(plan),
+        runner._forward_version if name == C.METHOD_FORWARD else runner.draft_cache.storage_version, runner.counters)
+        for name, plan in runner.plans.items()}
+    short = []
+    copy_in = GraphRunner._copy_in
+
+    def counting(g, inputs, bucket):
+        if any(x.shape[0] < bucket for x in inputs):  # (a context append's first input: its hidden rows)
+            short.append(("draft_append" if inputs[0].is_floating_point() else "other", len(g.inputs)))
+        copy_in(g, inputs, bucket)
+
+    monkeypatch.setattr(GraphRunner, "_copy_in", staticmethod(counting))
+    drafts = _drafts(engine)
+    assert _tokens(engine, reqs) == want
+    # Tokens are lossless whatever the drafter's context holds; its drafts show that context intact.
+    assert drafts == want_drafts and len(drafts) > 10 and runner.counters.replays > 0
+    # A short append's inputs: hidden rows, positions, slots (and the placement, on the cell layout).
+    assert ("draft_append", 4 if which == "tiny_dflash_cell_artifact" else 3) in short
+
+
 @pytest.mark.parametrize("which", TARGETS)
 def test_padding_rows_on_the_scratch_slot_never_change_live_outputs(which, request, tiny_cfg):
     art = request.getfixturevalue(which)
