@@ -53,7 +53,7 @@ from .artifact import Artifact
 from .config import RunConfig
 from .cuda_graphs import GraphCounters
 from .model_runner import ModelRunner, long_tensor, to_device
-from .sampling import SamplingBatch
+from .sampling import SamplingBatch, SamplingParams
 from .scheduler import Batch, Request, RequestError, Scheduler, Sequence
 from .spec_accept import accept
 from .speculative import DFlashError, Proposer, SpecStats, Speculator, StepDrafts
@@ -129,13 +129,64 @@ class Engine:
     def graph_counters(self) -> GraphCounters:
         return self.runner.counters
 
-    def warm_up(self) -> None:
-        """Capture the CUDA graphs of every bucket now rather than at first use (no-op without graphs)."""
+    def warm_up(self, rehearse: Optional[bool] = None) -> None:
+        """Capture the CUDA graphs of every bucket now rather than at first use, then `rehearse` (None: exactly
+        when graphs are on). Without graphs and rehearsal it does nothing."""
         if self.spec is not None:
             self.spec.before_capture()
         self.runner.warm_up()
         if self.spec is not None:
             self.spec.warm_up()
+        if self.config.graphs if rehearse is None else rehearse:
+            self.rehearse()
+
+    def rehearse(self) -> None:
+        """Serve a few short throwaway requests through every kind of step a first request may take, so that
+        the process's one-time work on each path (on CUDA: kernels loaded at their first launch, the first
+        call of each eager operation) is paid now, not inside the first requests' time (docs/ARCHITECTURE.md
+        section 6.1, "Rehearsal"). Steps with drafts first, when the engine speculates: a prompt step, a round of one
+        greedy sequence (fused where it can be), a step that drafts beside two prompt chunks, then greedy and
+        sampled sequences drafting together; then plain steps of a greedy and a sampled sequence, and of the
+        greedy one alone. Nothing is
+        learnt or counted (`Speculator.rehearsal`); results are dropped. Only on an idle engine (a no-op
+        otherwise: requests or results of the caller's are pending), and requests that the artifact's limits refuse
+        are left out."""
+        if not self.scheduler.idle or self._inflight is not None or self._results:
+            return
+        m = self.artifact.manifest
+        length = max(2, min(12, m.kv.capacity // 4, m.kv.max_write // 4))  # two prompts and drafts fit one step
+        greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_k=min(20, m.model.vocab_size), top_p=0.9, seed=0)
+
+        def request(i: int, sampling: SamplingParams, new: int = length) -> Request:
+            prompt = tuple((101 + 37 * (i * length + j)) % m.model.vocab_size for j in range(length))
+            return Request(f"rehearsal-{i}", prompt, new, sampling, ignore_eos=True)
+
+        def serve(now: list[Request], later: list[Request] = (), after: int = 2) -> None:
+            for j, req in enumerate(now + list(later)):
+                if j == len(now):
+                    for _ in range(after):  # the first requests' prompt step, then a step of theirs alone
+                        if not self.scheduler.idle:
+                            self.step()
+                try:
+                    self.submit(req)
+                except RequestError:
+                    pass
+            while not self.scheduler.idle:
+                self.step()
+            self.drain()
+            self._results.clear()
+
+        stats, self.stats = self.stats, EngineStats()
+        try:
+            if self.spec is not None:
+                with self.spec.rehearsal(drafts=True):
+                    serve([request(0, greedy)], [request(1, greedy), request(2, sampled)])
+                with self.spec.rehearsal(drafts=False):
+                    serve([request(3, greedy), request(4, sampled, length // 2)])
+            else:
+                serve([request(3, greedy), request(4, sampled, length // 2)])
+        finally:
+            self.stats = stats
 
     def submit(self, request: Request) -> None:
         """Queue a request (RequestError when it can never be served)."""
