@@ -741,6 +741,7 @@ class Speculator:
         self._kept: Optional[tuple] = None  # a plain step chosen with a margin, kept for the next steps (_choose_round)
         self._steps = 0  # steps chosen so far (`choose` calls): the clock of kept plain steps
         self._prompt_steps = 0  # steps in a row that prompt chunks could join (due probes wait: PROBE_WAIT)
+        self._clear_plain = False  # `_best_drafts`: even every draft accepted would pay KEEP_MARGIN less than plain
         self._fused_n = 0  # members of the fused round run this step (0: none)
         self._n = 0
         self._captures = runner.counters.captures  # graph captures inside a step: its time is not the step's
@@ -834,6 +835,14 @@ class Speculator:
                     rows_left -= k
                     self._probing.add(s.slot)
         chosen = [i for i, k in enumerate(ks) if k]
+        if not chosen and not prefill and self._clear_plain:  # a plain step by a margin: kept (`_keep_plain`)
+            slots = [s.slot for s in decode]
+            # Kept no later than the first probe could fall due: its wait's floor is at least that of the cheapest
+            # probe (one draft row), or of a shadow probe.
+            floor = rate * (self._step_cost(n, 1, 1) - self._step_cost(n, 0, 0)) * overrun / PROBE_BUDGET
+            until = self._keep_until(slots, min(floor, shadow_floor) if self.shadow else floor)
+            if until > self._steps:
+                self._kept = (slots, self.acceptance, self.acceptance.version, c, until)
         self._prediction = (len(chosen), sum(self._waiting.count[decode[i].slot] for i in chosen))
         if chosen:  # each drafting sequence's predicted seconds on top of a plain step: verify rows, draft share
             rows, share = n + sum(ks), c.draft(len(chosen)) / len(chosen)
@@ -898,7 +907,9 @@ class Speculator:
             if not drafts or drafts > rows_left:
                 continue
             members = [(slot, k) for slot, k in zip(slots, ks) if k]
-            t = c.round(fr.name, n) + c.append(sum(count[slot] for slot, _ in members)) + host
+            # Never below a plain step's price: a round verifies every member's block, the plain step's rows and
+            # more (blank-call tables measured on a busy CPU once priced a one-row round under a forward).
+            t = max(c.round(fr.name, n) + c.append(sum(count[slot] for slot, _ in members)) + host, plain_t)
             tokens = n + sum(expected(slot, k) for slot, k in members)
             options.append([fr.block, tokens, t])
             if top is None or tokens / t > top[0]:
@@ -937,9 +948,10 @@ class Speculator:
         return ks
 
     def _keep_plain(self, slots: list[int]) -> bool:
-        """Is this step a plain step because one was chosen, with a margin, at most KEEP_STEPS steps ago, for
-        the same sequences (so a step that could fuse then can now: no prompt chunk may join, which `choose`
-        checks), with no observation since in this engine's estimates, the same cost model object
+        """Is this step a plain step because one was chosen, with a margin (over fused rounds, or over separate
+        calls by the bound of `_best_drafts`), at most KEEP_STEPS steps ago, for the same sequences (so a step
+        that could fuse then can now: no prompt chunk may join, which `choose` checks), with no observation since
+        in this engine's estimates, the same cost model object
         and no probe due? Within those few steps the cost tables and host-work windows may move (they are
         refined in place and shared by engines), as may the global acceptance others observe: the margin covers
         that. Pricing every round again costs tens of microseconds of host time per step, a tenth of a plain
@@ -972,17 +984,23 @@ class Speculator:
         # Bounds (most steps of a batch the drafter does not help end at the first): every draft row accepted
         # in expectation, at the cheapest drafting step's time; in the search, at the time of the prefix so
         # far (a step's time never falls as rows, drafting sequences and waiting context grow).
-        cheapest = self._step_cost(n, 1, 1) + costs.residual(DRAFTING, n)
+        # `_clear_plain`: no prefix could beat KEEP_MARGIN of a plain step's rate (none drafts, by a margin): the
+        # search goes on past where it could stop until that is known, and `choose` keeps the plain step.
+        host = costs.residual(DRAFTING, n)
+        cheapest = self._step_cost(n, 1, 1) + host
         bound = n + sum(map(sum, gains))
+        margin = KEEP_MARGIN * best_ratio
+        self._clear_plain = cheapest > 0 and bound / cheapest <= margin
         if rows_left <= 0 or (cheapest > 0 and bound / cheapest <= best_ratio):
             return [0] * n
         # Every (gain, sequence, row) in one list, best first; a sequence's rows come in order (gains decrease).
         order = heapq.merge(*[[(-p, i, j) for j, p in enumerate(gs)] for i, gs in enumerate(gains)])
         ks = [0] * n
         rows, tokens, drafting, waiting = 0, 0.0, 0, 0
-        best, taken = 0, []
+        best, taken, top, clear = 0, [], 0.0, True  # top: the best prefix's rate; clear: every prefix was seen
         for neg_p, i, _ in order:
             if rows >= rows_left:
+                clear = False  # longer prefixes were not allowed this step
                 break
             taken.append(i)
             rows += 1
@@ -991,12 +1009,14 @@ class Speculator:
                 drafting += 1
                 waiting += self._waiting.count[decode[i].slot]
             ks[i] += 1
-            t = self._step_cost(n, rows, drafting) + costs.append(waiting) + costs.residual(DRAFTING, n)
+            t = self._step_cost(n, rows, drafting) + costs.append(waiting) + host
             ratio = (n + tokens) / t
+            top = max(top, ratio)
             if ratio > best_ratio:
                 best_ratio, best = ratio, len(taken)
-            elif t > 0 and bound / t <= best_ratio:
-                break  # no longer prefix can do better
+            elif t > 0 and bound / t <= best_ratio and (best or bound / t <= margin):
+                break  # no longer prefix can do better (nor, when none pays, come within the margin)
+        self._clear_plain = not best and clear and top <= margin
         ks = [0] * n
         for i in taken[:best]:
             ks[i] += 1

@@ -17,7 +17,7 @@ from mg.runtime.engine import Engine
 from mg.runtime.fused_round import FusedRound, Member
 from mg.runtime.sampling import SamplingParams
 from mg.runtime.scheduler import Request, Sequence
-from mg.runtime.speculative import KEEP_STEPS, CostModel
+from mg.runtime.speculative import KEEP_STEPS, AcceptanceModel, CostModel, ProbeSchedule
 
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 TARGET_ONLY = RunConfig(dflash=False)
@@ -432,3 +432,17 @@ def test_adaptive_fused_rounds_of_smaller_blocks_serve_more_sequences(tiny_dflas
     assert any(len(caps) > 3 and b == 4 for caps, b in zip(rounds, blocks))
     assert all(len(caps) <= 3 for caps, b in zip(rounds, blocks) if b == 8) and 8 in blocks
     assert engine.spec_stats.chosen_k_hist[3] > 0 and engine.spec_stats.chosen_k_hist[7] > 0
+
+
+def test_a_round_is_never_priced_below_a_plain_step(tiny_dflash_cell_artifact):
+    """A round verifies every member's block, a plain step's rows and more: with tables that price a round under
+    a plain step (blank calls timed on a busy machine) and a drafter known never to be right, the step stays
+    plain (no probe is due here: one that costs nothing more than a plain step would run)."""
+    engine = Engine(load_artifact(tiny_dflash_cell_artifact), RunConfig(fused_rounds=True))
+    spec = engine.spec
+    k = spec.block - 1
+    spec.probes = ProbeSchedule(engine.cache.n_slots, start=10 ** 9, cap=10 ** 9)
+    spec.acceptance = AcceptanceModel(engine.cache.n_slots, k, prior=0.0, global_counts=([0.0] * k, [50.0] * k))
+    seqs = [_seq(i) for i in range(3)]
+    spec.costs = _round_costs(engine, 1e-3, {8: 0.5e-3, 4: 0.4e-3})
+    assert spec.choose(seqs, 21) == [0, 0, 0] and spec._round_now is None

@@ -1314,3 +1314,54 @@ def test_an_appends_spans_are_cut_at_each_calls_rows():
             cut = _cut_spans(spans, lo, lo + limit)
             assert [(slot, first + j) for slot, first, m in cut for j in range(m)] == rows[lo:lo + limit]
             assert all(m > 0 for _, _, m in cut)
+
+
+def test_a_plain_step_priced_as_separate_calls_is_kept_while_no_draft_comes_near_paying(tiny_dflash_seq_artifact):
+    """Without fused rounds (the CPU), a plain step whose drafts could not come within KEEP_MARGIN of a plain
+    step's rate even if every one were accepted is kept for KEEP_STEPS more steps, without pricing the drafts
+    again, unless the sequences or the estimates change; it ends before a probe could fall due. Drafts that come
+    within the margin without paying are priced every step."""
+    engine = _engine(tiny_dflash_seq_artifact)
+    spec = engine.spec
+    assert not spec.rounds
+    engine.runner.call_log = None
+    seqs = [_seq(i) for i in range(3)]
+    for slot in range(3):  # the drafter is always wrong
+        _observe(spec.acceptance, slot, 7, 0, 20)
+    spec.costs = _costs(forward_per_row=1e-3, draft=5e-3)
+    priced, best_drafts = [], spec._best_drafts
+    spec._best_drafts = lambda *a: (priced.append(1), best_drafts(*a))[1]
+    chosen = [spec.choose(seqs, 21) for _ in range(spec_module.KEEP_STEPS + 2)]
+    assert chosen == [[0, 0, 0]] * (spec_module.KEEP_STEPS + 2)
+    assert len(priced) == 2  # the first step and the one after KEEP_STEPS kept ones
+    priced.clear()
+    assert spec.choose(seqs, 21) == [0, 0, 0] and not priced  # kept
+    spec.acceptance.observe(0, 7, 0)
+    assert spec.choose(seqs, 21) == [0, 0, 0] and priced  # an observation: priced again
+    priced.clear()
+    assert spec.choose(seqs[:2], 21) == [0, 0] and priced  # other sequences: priced again
+    # Until a probe could fall due: the cheapest probe's floor, from the step's own costs, bounds the keeping.
+    spec.acceptance.observe(0, 7, 0)
+    floors, due_in = [], spec.probes.steps_until_due
+    spec.probes.steps_until_due = lambda slot, floor: (floors.append(floor), 4 if slot == 1 else 100)[1]
+    choices = []
+    for _ in range(5):
+        priced.clear()
+        spec.choose(seqs[:2], 21)
+        choices.append(bool(priced))
+    assert choices == [True, False, False, False, True]
+    rate = 2 / spec.costs.forward(2)
+    cheapest = spec.costs.forward(3) + spec.costs.draft(1) - spec.costs.forward(2)
+    assert floors and floors[0] == pytest.approx(rate * cheapest / spec_module.PROBE_BUDGET)
+    spec.probes.steps_until_due = due_in
+    # Drafts within the margin of paying by the bound, and not paying: priced every step.
+    spec = _engine(tiny_dflash_seq_artifact).spec
+    spec.runner.call_log = None
+    for slot in range(2):
+        _observe(spec.acceptance, slot, 7, 2, 20)
+    spec.costs = _costs(forward_per_row=1e-3, draft=5e-3)
+    priced, best_drafts = [], spec._best_drafts
+    spec._best_drafts = lambda *a: (priced.append(1), best_drafts(*a))[1]
+    for _ in range(3):
+        assert spec.choose(seqs[:2], 21) == [0, 0]
+    assert len(priced) == 3 and not spec._clear_plain
