@@ -60,7 +60,7 @@ for step in "${steps[@]}"; do
                   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
                   cat "$cache"/cost-tables/*overrun* > "$OUT/probe_overrun_after_process$run.txt" 2>/dev/null
               done ;;
-        profile) python3 scripts/profile_engine.py --device cuda --by-kind --appends --out "$OUT/profile_engine_cuda.json" \
+        profile) python3 scripts/profile_engine.py --device cuda --by-kind --appends --speculator --out "$OUT/profile_engine_cuda.json" \
                   --profile "$OUT/profiles" 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/profile_engine_cuda.md" ;;
         host) for o in on off; do
                   python3 scripts/bench_host_step.py --device cuda --batches 1,8 --overlap "$o" \

@@ -6,7 +6,8 @@ adaptive speculation, on one artifact (default: the embedded default, exported i
 temporary folder). For each mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
 graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram;
 `--appends` adds the host time of the timed runs' context appends (committed hidden rows into the draft cache)
-and of their parts, median milliseconds per append. `--by-kind` adds where the timed run's steps went: count, milliseconds and the longest step by kind (steps with
+and of their parts, median milliseconds per append; `--speculator` the host time of the speculator's calls in
+the steps (the choice, reservations, commits, accounting), by part. `--by-kind` adds where the timed run's steps went: count, milliseconds and the longest step by kind (steps with
 prompt chunks, without and with drafts; plain decode steps; steps that draft; steps that only read back a step in
 flight), each step timed on the host around `Engine.step` (with overlapped steps a step's time includes the wait
 for the step before it). On
@@ -152,6 +153,42 @@ class _AppendTimes:
         return out
 
 
+SPEC_PARTS = ("choose", "choose (prompt step)", "reserve_known", "reserve_known (prompt step)", "commit",
+              "end_commits", "step_done", "step_done (prompt step)")
+
+
+class _SpecTimes:
+    """Host time of the speculator's calls in the engine's steps, by part (`--speculator`): the choice of drafts,
+    the reservation of the rows the forward writes, the commits after acceptance, the end of a step's commits
+    and the step's accounting; a call in a step with prompt chunks counts apart."""
+
+    def __init__(self, engine) -> None:
+        self.seconds = {part: [] for part in SPEC_PARTS}
+        spec = engine.spec
+        prompt_step = {"choose": lambda a, k: k.get("prefill", a[2] if len(a) > 2 else False),
+                       "reserve_known": lambda a, k: bool(a[2]),
+                       "step_done": lambda a, k: k.get("prefill", a[2] if len(a) > 2 else False)}
+
+        def timed(name):
+            fn, prompt = getattr(spec, name), prompt_step.get(name)
+
+            def run(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    part = f"{name} (prompt step)" if prompt is not None and prompt(args, kwargs) else name
+                    self.seconds[part].append(time.perf_counter() - t0)
+            return run
+
+        for name in ("choose", "reserve_known", "commit", "end_commits", "step_done"):
+            setattr(spec, name, timed(name))
+
+    def as_dict(self) -> dict:
+        return {part: {"calls": len(v), "total_ms": 1e3 * sum(v),
+                       "median_us": 1e6 * statistics.median(v) if v else None} for part, v in self.seconds.items()}
+
+
 def _timed(engine, reqs) -> float:
     import torch
 
@@ -213,6 +250,9 @@ def main() -> int:
     p.add_argument("--appends", action="store_true",
                    help="also time every context append of the timed DFlash runs on the host, and its parts: rows "
                         "taken, admission, the draft_append calls (median milliseconds per append)")
+    p.add_argument("--speculator", action="store_true",
+                   help="also time the speculator's calls in the timed DFlash runs' steps on the host, by part: "
+                        "calls, total milliseconds and median microseconds")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     modes = args.modes.split(",")
@@ -242,6 +282,7 @@ def main() -> int:
                 engine = _engine(artifact, mode, args.device)
                 kinds = _StepKinds(engine) if args.by_kind else None
                 appends = _AppendTimes(engine) if args.appends and engine.spec is not None else None
+                spec_times = _SpecTimes(engine) if args.speculator and engine.spec is not None else None
                 captures = engine.graph_counters.captures
                 seconds = _timed(engine, reqs[:n])
                 tokens, stats = engine.stats.generated_tokens, engine.spec_stats
@@ -254,6 +295,8 @@ def main() -> int:
                     rows[-1]["by_kind"] = kinds.as_dict()
                 if appends is not None:
                     rows[-1]["appends"] = appends.as_dict()
+                if spec_times is not None:
+                    rows[-1]["speculator"] = spec_times.as_dict()
                 r = rows[-1]
                 print(f"{mode} x{n}: {r['ms_per_step']:.3f} ms/step, {r['tokens_per_s']:.1f} tok/s, "
                       f"{r['captures_during_run']} captures", file=sys.stderr)
@@ -295,6 +338,15 @@ def main() -> int:
                 print(f"| {r['mode']} | {r['prompts']} | {a['appends']} | {fmt(a['rows_median'])} | "
                       + " | ".join(fmt(a[f"{part}_ms_median"]) for part in APPEND_PARTS)
                       + f" | {fmt(a['calls_per_append'])} |")
+    if args.speculator:
+        print("\n| mode | prompts | " + " | ".join(f"{part}: calls, ms, median us" for part in SPEC_PARTS) + " |")
+        print("|---|---|" + "---|" * len(SPEC_PARTS))
+        for r in rows:
+            t = r.get("speculator")
+            if t:
+                cells = [f"{v['calls']}, {v['total_ms']:.2f}, " + ("-" if v["median_us"] is None else f"{v['median_us']:.1f}")
+                         for v in map(t.get, SPEC_PARTS)]
+                print(f"| {r['mode']} | {r['prompts']} | " + " | ".join(cells) + " |")
     for mode, found in sites.items():
         print(f"\nsynchronising calls, {mode}, one prompt: {sum(found.values())}")
         for where, count in found.items():

@@ -67,3 +67,36 @@ def test_append_times_count_every_context_append_and_its_rows(tiny_dflash_seq_ar
     assert sum(times.rows) == sum(held) > 0
     assert len(times.seconds["admit"]) == len(times.seconds["calls"]) >= got["appends"]
     assert sum(times.seconds["take"]) + sum(times.seconds["calls"]) <= sum(times.seconds["append"])
+
+
+def test_speculator_times_count_every_call_once_by_kind_of_step(tiny_dflash_seq_artifact, monkeypatch):
+    """`--speculator`: each step's choice, reservation and accounting is timed once, apart for steps with prompt
+    chunks (counted from the runner's forwards), and the times add up to no more than the run."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import profile_engine
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.config import RunConfig
+    from mg.runtime.engine import Engine
+    from mg.runtime.scheduler import Request
+
+    engine = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig(dflash=True, speculation="fixed"))
+    prompt_steps = []
+    pack = engine.runner.pack
+    engine.runner.pack = lambda decode, ks, prefill, *a, **k: (prompt_steps.append(bool(prefill)),
+                                                               pack(decode, ks, prefill, *a, **k))[1]
+    times = profile_engine._SpecTimes(engine)
+    reqs = [Request(f"r{i}", tuple(range(5 + i, 5 + i + 9 + 4 * i)), 10) for i in range(5)]
+    t0 = time.perf_counter()
+    engine.run(reqs)
+    wall = time.perf_counter() - t0
+    got = times.as_dict()
+    for part in ("reserve_known", "step_done"):  # one call per step
+        assert got[f"{part} (prompt step)"]["calls"] == sum(prompt_steps) >= 2
+    # A choice in each step with decoding sequences (not the first, of prompt chunks only).
+    assert 1 <= got["choose (prompt step)"]["calls"] < sum(prompt_steps)
+    assert got["choose"]["calls"] == engine.stats.steps - sum(prompt_steps)
+    assert got["step_done"]["calls"] + got["step_done (prompt step)"]["calls"] == engine.stats.steps
+    assert got["reserve_known"]["calls"] + got["reserve_known (prompt step)"]["calls"] == engine.stats.steps
+    assert got["commit"]["calls"] > 0 and got["end_commits"]["calls"] > 0
+    assert all(v["median_us"] is None or v["median_us"] * 1e-3 <= v["total_ms"] for v in got.values())
+    assert 0 < sum(v["total_ms"] for v in got.values()) <= 1e3 * wall
