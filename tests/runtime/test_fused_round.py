@@ -17,7 +17,7 @@ from mg.runtime.engine import Engine
 from mg.runtime.fused_round import FusedRound, Member
 from mg.runtime.sampling import SamplingParams
 from mg.runtime.scheduler import Request, Sequence
-from mg.runtime.speculative import KEEP_STEPS, AcceptanceModel, CostModel, ProbeSchedule
+from mg.runtime.speculative import KEEP_STEPS, PROBE_BUDGET, AcceptanceModel, CostModel, ProbeSchedule
 
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 TARGET_ONLY = RunConfig(dflash=False)
@@ -371,6 +371,34 @@ def test_a_due_probe_in_a_step_that_could_fuse_goes_in_the_shadow_without_a_roun
     assert spec.choose(seqs, 21) == [0, 0, 0] and len(spec.shadow_queue) == 3  # not due again meanwhile
 
 
+def _kept_until_the_sequences_or_estimates_change(spec, seqs, priced: list, per_step: int) -> None:
+    """Three sequences whose drafts do not pay by a margin: the first step and the one after KEEP_STEPS kept ones
+    are priced (`priced` grows by `per_step` each), an observation or other sequences price the next step."""
+    assert all(spec.choose(seqs, 21) == [0, 0, 0] for _ in range(KEEP_STEPS + 2))
+    assert len(priced) == 2 * per_step
+    priced.clear()
+    assert spec.choose(seqs, 21) == [0, 0, 0] and not priced  # kept
+    spec.acceptance.observe(0, 7, 0)
+    assert spec.choose(seqs, 21) == [0, 0, 0] and priced  # an observation: priced again
+    priced.clear()
+    assert spec.choose(seqs[:2], 21) == [0, 0] and priced  # other sequences: priced again
+
+
+def _kept_until_a_probe_could_fall_due(spec, seqs, priced: list, steps_until_due) -> None:
+    """After an observation, with `steps_until_due` standing in for the probe schedule's (slot 1's probe due in 4
+    plain steps): the step is priced, kept 3 steps only, then priced again."""
+    spec.acceptance.observe(0, 7, 0)
+    schedule = spec.probes.steps_until_due
+    spec.probes.steps_until_due = steps_until_due
+    choices = []
+    for _ in range(5):
+        priced.clear()
+        spec.choose(seqs[:2], 21)
+        choices.append(bool(priced))
+    spec.probes.steps_until_due = schedule
+    assert choices == [True, False, False, False, True]
+
+
 def test_a_plain_step_chosen_with_a_margin_is_kept_for_a_few_steps(tiny_dflash_cell_artifact):
     """Pricing every round again each step costs host time: a plain step chosen with every round 10% worse or
     more is kept for KEEP_STEPS more steps, unless the sequences, the estimates or the cost model change or a
@@ -384,26 +412,11 @@ def test_a_plain_step_chosen_with_a_margin_is_kept_for_a_few_steps(tiny_dflash_c
     spec.costs = _round_costs(engine, 1e-3, {8: 9e-3, 4: 5e-3})
     priced, round_cost = [], spec.costs.round
     spec.costs.round = lambda name, n: (priced.append(name), round_cost(name, n))[1]
-    assert all(spec.choose(seqs, 21) == [0, 0, 0] for _ in range(KEEP_STEPS + 2))
-    assert len(priced) == 2 * len(spec.rounds)  # the first step and the one after KEEP_STEPS kept ones
-    priced.clear()
-    assert spec.choose(seqs, 21) == [0, 0, 0] and not priced  # kept
-    spec.acceptance.observe(0, 7, 0)
-    assert spec.choose(seqs, 21) == [0, 0, 0] and priced  # an observation: priced again
-    priced.clear()
-    assert spec.choose(seqs[:2], 21) == [0, 0] and priced  # other sequences: priced again
+    _kept_until_the_sequences_or_estimates_change(spec, seqs, priced, len(spec.rounds))
     priced.clear()
     assert spec.choose(seqs[:2], 21) == [0, 0] and not priced  # kept
-    spec.acceptance.observe(0, 7, 0)  # priced again below; a probe due in 4 plain steps keeps it 3 steps only
     due_in = spec.probes.steps_until_due
-    spec.probes.steps_until_due = lambda slot, floor: 4 if slot == 1 else due_in(slot, floor)
-    choices = []
-    for _ in range(5):
-        priced.clear()
-        spec.choose(seqs[:2], 21)
-        choices.append(bool(priced))
-    assert choices == [True, False, False, False, True]
-    spec.probes.steps_until_due = due_in
+    _kept_until_a_probe_could_fall_due(spec, seqs, priced, lambda slot, floor: 4 if slot == 1 else due_in(slot, floor))
     separate, best_drafts = [], spec._best_drafts
     spec._best_drafts = lambda *a: (separate.append(a), best_drafts(*a))[1]
     assert spec.choose(seqs[:2], 21, prefill=True) == [0, 0] and separate  # prompt chunks may join: not kept,
@@ -446,3 +459,52 @@ def test_a_round_is_never_priced_below_a_plain_step(tiny_dflash_cell_artifact):
     seqs = [_seq(i) for i in range(3)]
     spec.costs = _round_costs(engine, 1e-3, {8: 0.5e-3, 4: 0.4e-3})
     assert spec.choose(seqs, 21) == [0, 0, 0] and spec._round_now is None
+
+
+def _never_right(spec, slots: int) -> None:
+    for slot in range(slots):
+        for _ in range(20):
+            spec.acceptance.observe(slot, 7, 0)
+
+
+def _separate_costs(draft: float) -> CostModel:
+    """Separate calls only: a forward of n rows takes 1 + n ms, a draft call `draft` seconds, appends are free."""
+    sizes = (1, 2, 4, 8, 16, 24)
+    return CostModel({n: 1e-3 + 1e-3 * n for n in sizes}, {b: draft for b in (1, 2, 3)}, {m: 0.0 for m in sizes},
+                     padded=False)
+
+
+def test_a_plain_step_priced_as_separate_calls_is_kept_while_no_draft_comes_near_paying(tiny_dflash_seq_artifact):
+    """Without fused rounds (the CPU), a plain step whose drafts could not come within KEEP_MARGIN of a plain
+    step's rate even if every one were accepted is kept as over fused rounds (above), without pricing the drafts
+    again; it ends before the cheapest probe could fall due. Drafts that come within the margin without paying
+    are priced every step."""
+    engine = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig())
+    spec = engine.spec
+    assert not spec.rounds
+    engine.runner.call_log = None
+    seqs = [_seq(i) for i in range(3)]
+    _never_right(spec, 3)
+    spec.costs = _separate_costs(5e-3)
+    priced, best_drafts = [], spec._best_drafts
+    spec._best_drafts = lambda *a: (priced.append(1), best_drafts(*a))[1]
+    _kept_until_the_sequences_or_estimates_change(spec, seqs, priced, 1)
+    # Until a probe could fall due: the cheapest probe's floor, from the step's own costs, bounds the keeping.
+    floors = []
+    _kept_until_a_probe_could_fall_due(spec, seqs, priced,
+                                       lambda slot, floor: (floors.append(floor), 4 if slot == 1 else 100)[1])
+    rate = 2 / spec.costs.forward(2)
+    cheapest = spec.costs.forward(3) + spec.costs.draft(1) - spec.costs.forward(2)
+    assert floors and floors[0] == pytest.approx(rate * cheapest / PROBE_BUDGET)
+    # Drafts within the margin of paying by the bound, and not paying: priced every step.
+    spec = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig()).spec
+    spec.runner.call_log = None
+    for slot in range(2):
+        for _ in range(20):
+            spec.acceptance.observe(slot, 7, 2)
+    spec.costs = _separate_costs(5e-3)
+    priced, best_drafts = [], spec._best_drafts
+    spec._best_drafts = lambda *a: (priced.append(1), best_drafts(*a))[1]
+    for _ in range(3):
+        assert spec.choose(seqs[:2], 21) == [0, 0]
+    assert len(priced) == 3 and not spec._clear_plain
