@@ -40,6 +40,7 @@ imports mg.export. See docs/ARCHITECTURE.md section 6.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -161,16 +162,20 @@ class Engine:
             prompt = tuple((101 + 37 * (i * length + j)) % m.model.vocab_size for j in range(length))
             return Request(f"rehearsal-{i}", prompt, new, sampling, ignore_eos=True)
 
-        def serve(now: list[Request], later: list[Request] = (), after: int = 2) -> None:
-            for j, req in enumerate(now + list(later)):
-                if j == len(now):
-                    for _ in range(after):  # the first requests' prompt step, then a step of theirs alone
-                        if not self.scheduler.idle:
-                            self.step()
+        def offer(batch: list[Request]) -> None:
+            for req in batch:
                 try:
                     self.submit(req)
                 except RequestError:
                     pass
+
+        def serve(first: list[Request], then: list[Request] = ()) -> None:
+            offer(first)
+            if then:  # admitted after the first ones' prompt step and a step of theirs alone
+                for _ in range(2):
+                    if not self.scheduler.idle:
+                        self.step()
+                offer(then)
             while not self.scheduler.idle:
                 self.step()
             self.drain()
@@ -181,9 +186,7 @@ class Engine:
             if self.spec is not None:
                 with self.spec.rehearsal(drafts=True):
                     serve([request(0, greedy)], [request(1, greedy), request(2, sampled)])
-                with self.spec.rehearsal(drafts=False):
-                    serve([request(3, greedy), request(4, sampled, length // 2)])
-            else:
+            with self.spec.rehearsal(drafts=False) if self.spec is not None else contextlib.nullcontext():
                 serve([request(3, greedy), request(4, sampled, length // 2)])
         finally:
             self.stats = stats

@@ -750,7 +750,7 @@ class Speculator:
         # ("kept": True instead when a kept plain step was not priced again), then the step's kind and
         # measured seconds ("stall": True when a plain step's time was left out as a stall).
         self.trace: Optional[list] = None
-        self._rehearsing: Optional[bool] = None  # inside `rehearsal`: whether its steps draft
+        self._rehearsing_plain = False  # inside `rehearsal(drafts=False)`: every step plain
         if self.adaptive:
             self.costs = self._cost_model()  # measured now, at warm-up, not inside the first request's time
             if runner.device.type == "cpu":  # calls are synchronous there: time each one
@@ -766,8 +766,9 @@ class Speculator:
     def choose(self, decode: list, rows_left: int, prefill: bool = False) -> list[int]:
         """Drafts per decoding sequence this round, summing to at most `rows_left`. `prefill`: prompt chunks
         may join the step (it then cannot fuse, and is priced as separate calls)."""
-        if self._rehearsing is not None:
-            return self._rehearsal_choose(decode, rows_left, prefill)
+        if self._rehearsing_plain:  # (`rehearsal`)
+            self._n, self._prediction, self._probing, self._round_now = len(decode), None, _NONE, None
+            return [0] * len(decode)
         self._n = len(decode)  # the step's decoding sequences, for its host work
         self._round_now = None
         self._steps += 1
@@ -856,37 +857,21 @@ class Speculator:
 
     @contextlib.contextmanager
     def rehearsal(self, drafts: bool):
-        """Steps run inside draft all they may (`drafts`: a fused round where the step can fuse, separate calls
-        where it cannot) or nothing, and teach nothing: no acceptance estimate, probe, host-work sample, timed
-        call, trace entry or statistic is taken, and what the speculator had learnt is as before afterwards
-        (`Engine.rehearse`)."""
+        """Steps run inside draft all they may (`drafts`: fixed speculation's choice, a fused round where the step
+        can fuse, separate calls where it cannot) or nothing, and teach nothing: no acceptance estimate, probe,
+        host-work sample, timed call, trace entry or statistic is taken, and what the speculator had learnt is
+        as before afterwards (`Engine.rehearse`)."""
         saved = (self.stats, self.trace, self.runner.call_log, self.adaptive, self._kept, self._steps,
                  self._prompt_steps)
-        self.stats, self.trace, self.runner.call_log, self.adaptive = SpecStats(), None, None, False
-        self._rehearsing = drafts
+        self.stats, self.trace, self.runner.call_log, self.adaptive, self._kept = SpecStats(), None, None, False, None
+        self._rehearsing_plain = not drafts
         try:
             yield
         finally:
-            self._rehearsing = None
+            self._rehearsing_plain = False
             (self.stats, self.trace, self.runner.call_log, self.adaptive, self._kept, self._steps,
              self._prompt_steps) = saved
             self._prediction, self._probing, self._probed, self._round_now = None, set(), {}, None
-            if self.runner.call_log is not None:
-                self.runner.call_log.clear()
-
-    def _rehearsal_choose(self, decode: list, rows_left: int, prefill: bool) -> list[int]:
-        """`choose` inside `rehearsal`: every draft a sequence may verify, or none; nothing is priced."""
-        self._n, self._prediction, self._probing, self._round_now = len(decode), None, _NONE, None
-        if not self._rehearsing:
-            return [0] * len(decode)
-        rounds = [] if prefill else self._fusable_rounds(decode)
-        if rounds:
-            self._round_now = rounds[0]
-        ks = []
-        for s in decode:
-            ks.append(max(0, min(self.block - 1, s.room, self.runner.cache.capacity - 1 - s.n_cached, rows_left)))
-            rows_left -= ks[-1]
-        return ks
 
     def _choose_round(self, decode: list, limits: list[int], rows_left: int, rounds: list[FusedRound]) -> list[int]:
         """A step that can fuse: a plain step, or one fused round (of one of `rounds`' blocks) with the most

@@ -69,7 +69,7 @@ def test_rehearsal_runs_every_kind_of_step_and_leaves_nothing_learnt(which, fuse
     assert {k: w.values() for k, w in spec.costs._host.windows.items()} == windows
     assert spec.costs._host.probe_overrun.values() == overrun
     assert engine.stats == EngineStats() and spec.stats == SpecStats() and spec.trace == []
-    assert spec.adaptive and spec._rehearsing is None
+    assert spec.adaptive and not spec._rehearsing_plain and spec._kept is None
     assert engine.scheduler.idle and engine.take_finished() == []
     assert all(engine.runner.draft_cache.length(slot) == 0 for slot in range(engine.cache.n_slots))
     assert all(count == 0 for count in spec._waiting.count) and not spec._appended
