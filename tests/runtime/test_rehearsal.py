@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from mg.runtime import speculative as spec_module
 from mg.runtime.artifact import load_artifact
@@ -103,3 +104,23 @@ def test_rehearsal_waits_for_an_idle_engine_and_warm_up_rehearses_only_with_grap
     engine.rehearse()  # its result is not taken yet: nothing runs, and the result stays
     assert len(kinds) == engine.stats.steps
     assert [r.id for r in engine.take_finished()] == [req.id]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("which", ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"])
+def test_on_cuda_warm_up_rehearses_every_kind_of_step_and_the_first_requests_capture_nothing(which, request,
+                                                                                          tiny_cfg):
+    """Where the rehearsal is for: with CUDA graphs (and fused rounds, the default there) `warm_up` rehearses
+    every kind of step, after which the first requests capture no graph, and their tokens are target-only's."""
+    art = load_artifact(request.getfixturevalue(which), device="cuda")
+    engine = Engine(art, RunConfig(device="cuda"))
+    kinds = _kinds(engine)
+    engine.warm_up()
+    assert {"prompt", "prompt+drafts", "fused", "drafts+sampled", "plain", "plain+sampled"} <= set(kinds), kinds
+    assert engine.stats == EngineStats() and engine.spec.stats == SpecStats()
+    captures = engine.graph_counters.captures
+    reqs = _prompts(tiny_cfg)
+    got = [r.tokens for r in engine.run(reqs)]
+    assert engine.graph_counters.captures == captures
+    assert got == [r.tokens for r in Engine(art, RunConfig(device="cuda", dflash=False)).run(reqs)]
