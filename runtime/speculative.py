@@ -582,6 +582,7 @@ def _bucket(n: int) -> int:
 
 
 KEEP_MARGIN, KEEP_STEPS = 0.9, 15  # a plain step chosen with a round 10% worse or more is kept for 15 more steps
+KEEP_NEAR_STEPS = 4  # one chosen over a round within that margin, for 4 (the choice moves only as costs drift)
 PROBE_WAIT = 8  # steps in a row with prompt chunks during which due probes wait for a step that fuses
 _NONE: frozenset = frozenset()  # no slot probes this step
 STALL_RATIO = 2.0  # a plain step timed above this many times a plain step's price is a stall (CostModel.record)
@@ -836,12 +837,13 @@ class Speculator:
                     rows_left -= k
                     self._probing.add(s.slot)
         chosen = [i for i, k in enumerate(ks) if k]
-        if not chosen and not prefill and self._clear_plain:  # a plain step by a margin: kept (`_keep_plain`)
+        if not chosen and not prefill:  # a plain step: kept (`_keep_plain`), for fewer steps if drafts came near
             slots = [s.slot for s in decode]
             # Kept no later than the first probe could fall due: its wait's floor is at least that of the cheapest
             # probe (one draft row), or of a shadow probe.
             floor = rate * (self._step_cost(n, 1, 1) - self._step_cost(n, 0, 0)) * overrun / PROBE_BUDGET
-            until = self._keep_until(slots, min(floor, shadow_floor) if self.shadow else floor)
+            until = self._keep_until(slots, min(floor, shadow_floor) if self.shadow else floor,
+                                     KEEP_STEPS if self._clear_plain else KEEP_NEAR_STEPS)
             if until > self._steps:
                 self._kept = (slots, self.acceptance, self.acceptance.version, c, until)
         self._prediction = (len(chosen), sum(self._waiting.count[decode[i].slot] for i in chosen))
@@ -919,10 +921,9 @@ class Speculator:
                 floor = rate * share * c.probe_overrun() / PROBE_BUDGET
                 self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=floor)}
             if not self._probing:
-                if best_rate <= KEEP_MARGIN * rate:
-                    until = self._keep_until(slots, floor)
-                    if until > self._steps:
-                        self._kept = (slots, self.acceptance, self.acceptance.version, c, until)
+                until = self._keep_until(slots, floor, KEEP_STEPS if best_rate <= KEEP_MARGIN * rate else KEEP_NEAR_STEPS)
+                if until > self._steps:
+                    self._kept = (slots, self.acceptance, self.acceptance.version, c, until)
                 return [0] * n
         self._round_now = fr
         if self.trace is not None:
@@ -933,15 +934,17 @@ class Speculator:
         return ks
 
     def _keep_plain(self, slots: list[int]) -> bool:
-        """Is this step a plain step because one was chosen, with a margin (over fused rounds, or over separate
-        calls by the bound of `_best_drafts`), at most KEEP_STEPS steps ago, for the same sequences (so a step
-        that could fuse then can now: no prompt chunk may join, which `choose` checks), with no observation since
-        in this engine's estimates, the same cost model object
+        """Is this step a plain step because one was chosen at most KEEP_STEPS steps ago with a margin (over fused
+        rounds, or over separate calls by the bound of `_best_drafts`), or at most KEEP_NEAR_STEPS ago without
+        it, for the same sequences (so a step that could fuse then can now: no prompt chunk may join, which
+        `choose` checks), with no observation since in this engine's estimates, the same cost model object
         and no probe due? Within those few steps the cost tables and host-work windows may move (they are
         refined in place and shared by engines), as may the global acceptance others observe: the margin covers
-        that. Pricing every round again costs tens of microseconds of host time per step, a tenth of a plain
-        step on a GPU; the check is a few comparisons (the last kept step was computed when the plain step was
-        chosen, `_keep_until`)."""
+        that, and without it the keeping is short. Pricing every round again costs tens of microseconds of host
+        time per step, a tenth of a plain step on a GPU, and a sequence whose rounds come within the margin
+        without paying (its estimates near the break-even point, and no observation to move them while it does
+        not draft) would pay it at every step; the check is a few comparisons (the last kept step was computed
+        when the plain step was chosen, `_keep_until`)."""
         kept_slots, acceptance, version, costs, until = self._kept
         if (self._steps > until or kept_slots != slots or acceptance is not self.acceptance
                 or version != acceptance.version or costs is not self.costs):
@@ -952,13 +955,13 @@ class Speculator:
             self.trace.append({"n": len(slots), "chose": 0, "kept": True})
         return True
 
-    def _keep_until(self, slots: list[int], floor: float) -> int:
-        """The last step (`_steps`) a plain step chosen now is kept for: KEEP_STEPS more, and none at or after
-        the first step at which one of `slots` has a probe due (by `floor`, as the choice computed it). A slot's
+    def _keep_until(self, slots: list[int], floor: float, keep: int) -> int:
+        """The last step (`_steps`) a plain step chosen now is kept for: `keep` more, and none at or after the
+        first step at which one of `slots` has a probe due (by `floor`, as the choice computed it). A slot's
         plain-step count grows by at most one per step, so no due probe is ever skipped; a drafting step
         changes the estimates' version, which ends the keeping too."""
         steps = min(self.probes.steps_until_due(slot, floor) for slot in slots)
-        return self._steps + min(KEEP_STEPS, steps - 1)
+        return self._steps + min(keep, steps - 1)
 
     def _best_drafts(self, decode: list, limits: list[int], rows_left: int) -> list[int]:
         """The draft rows with the most expected committed tokens per second (module docstring)."""

@@ -17,7 +17,7 @@ from mg.runtime.engine import Engine
 from mg.runtime.fused_round import FusedRound, Member
 from mg.runtime.sampling import SamplingParams
 from mg.runtime.scheduler import Request, Sequence
-from mg.runtime.speculative import KEEP_STEPS, PROBE_BUDGET, AcceptanceModel, CostModel, ProbeSchedule
+from mg.runtime.speculative import KEEP_NEAR_STEPS, KEEP_STEPS, PROBE_BUDGET, AcceptanceModel, CostModel, ProbeSchedule
 
 LAYOUTS = ["tiny_dflash_seq_artifact", "tiny_dflash_cell_artifact"]
 TARGET_ONLY = RunConfig(dflash=False)
@@ -430,6 +430,32 @@ def test_a_plain_step_chosen_with_a_margin_is_kept_for_a_few_steps(tiny_dflash_c
     assert spec.choose(seqs[:2], 21) in ([7, 7], [3, 3]) and spec._round_now is not None
 
 
+def test_a_plain_step_chosen_over_a_round_that_nearly_pays_is_kept_for_fewer_steps(tiny_dflash_cell_artifact):
+    """A round within KEEP_MARGIN of a plain step's rate that does not pay: the plain step is kept for
+    KEEP_NEAR_STEPS steps, then the rounds are priced again; a round 10% worse or more keeps it for KEEP_STEPS."""
+    engine = Engine(load_artifact(tiny_dflash_cell_artifact), RunConfig(fused_rounds=True))
+    spec = engine.spec
+    spec.probes = ProbeSchedule(engine.cache.n_slots, start=10 ** 9, cap=10 ** 9)  # no probe falls due
+    k = spec.block - 1
+    spec.acceptance = AcceptanceModel(engine.cache.n_slots, k, prior=0.0, global_counts=([0.0] * k, [50.0] * k))
+    seqs = [_seq(i) for i in range(3)]
+    # No draft accepted: a round commits 3 tokens (one per member) as a plain step does. A plain step of 1 ms,
+    # rounds of 1.05 ms: 0.95 of the plain step's rate, within the margin.
+    spec.costs = _round_costs(engine, 1e-3, {8: 1.05e-3, 4: 1.05e-3})
+    priced, round_cost = [], spec.costs.round
+    spec.costs.round = lambda name, n: (priced.append(name), round_cost(name, n))[1]
+    per_step = len(spec.rounds)
+    for steps in range(1, 2 * (KEEP_NEAR_STEPS + 1) + 1):
+        assert spec.choose(seqs, 21) == [0, 0, 0] and spec._round_now is None
+        assert len(priced) == per_step * (1 + (steps - 1) // (KEEP_NEAR_STEPS + 1))
+    # Rounds 10% worse or more: kept for KEEP_STEPS (the step after the last near one is priced, then kept).
+    spec.costs = _round_costs(engine, 1e-3, {8: 1.2e-3, 4: 1.2e-3})
+    far = spec.costs.round
+    spec.costs.round = lambda name, n: (priced.append(name), far(name, n))[1]
+    priced.clear()
+    assert all(spec.choose(seqs, 21) == [0, 0, 0] for _ in range(KEEP_STEPS + 1)) and len(priced) == per_step
+
+
 def test_adaptive_fused_rounds_of_smaller_blocks_serve_more_sequences(tiny_dflash_cell_artifact, tiny_cfg):
     """Five sequences decode at once on the cell artifact: more than its block-8 rounds hold, so they go in
     rounds of block 4 (by the costs the test sets), and the output is the target-only output."""
@@ -478,7 +504,7 @@ def test_a_plain_step_priced_as_separate_calls_is_kept_while_no_draft_comes_near
     """Without fused rounds (the CPU), a plain step whose drafts could not come within KEEP_MARGIN of a plain
     step's rate even if every one were accepted is kept as over fused rounds (above), without pricing the drafts
     again; it ends before the cheapest probe could fall due. Drafts that come within the margin without paying
-    are priced every step."""
+    keep it for KEEP_NEAR_STEPS steps only."""
     engine = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig())
     spec = engine.spec
     assert not spec.rounds
@@ -496,7 +522,7 @@ def test_a_plain_step_priced_as_separate_calls_is_kept_while_no_draft_comes_near
     rate = 2 / spec.costs.forward(2)
     cheapest = spec.costs.forward(3) + spec.costs.draft(1) - spec.costs.forward(2)
     assert floors and floors[0] == pytest.approx(rate * cheapest / PROBE_BUDGET)
-    # Drafts within the margin of paying by the bound, and not paying: priced every step.
+    # Drafts within the margin of paying by the bound, and not paying: kept for KEEP_NEAR_STEPS steps.
     spec = Engine(load_artifact(tiny_dflash_seq_artifact), RunConfig()).spec
     spec.runner.call_log = None
     for slot in range(2):
@@ -505,6 +531,6 @@ def test_a_plain_step_priced_as_separate_calls_is_kept_while_no_draft_comes_near
     spec.costs = _separate_costs(5e-3)
     priced, best_drafts = [], spec._best_drafts
     spec._best_drafts = lambda *a: (priced.append(1), best_drafts(*a))[1]
-    for _ in range(3):
+    for _ in range(2 * (KEEP_NEAR_STEPS + 1)):
         assert spec.choose(seqs[:2], 21) == [0, 0]
-    assert len(priced) == 3 and not spec._clear_plain
+    assert len(priced) == 2 and not spec._clear_plain
