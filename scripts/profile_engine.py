@@ -1,9 +1,11 @@
 """Where an engine step's time goes: per-step time, graph captures and host synchronisations, per mode.
 
-Runs the engine on held-out prompts (each alone, then several at once) with DFlash off (`plain`), as a
+Runs the engine on held-out prompts (the first N at once for each N of `--batches`; with `--alone` also every
+prompt alone, one after another on one engine) with DFlash off (`plain`), as a
 DFlash engine that never drafts (`no-drafts`: DFlash's bookkeeping alone), with fixed blocks and with
 adaptive speculation, on one artifact (default: the embedded default, exported into a
-temporary folder). For each mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
+temporary folder); `--fused-rounds on` runs fused DFlash rounds on the CPU too, so that the choice takes the
+path it takes on a GPU. For each mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
 graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram;
 `--appends` adds the host time of the timed runs' context appends (committed hidden rows into the draft cache)
 and of their parts, median milliseconds per append; `--speculator` the host time of the speculator's calls in
@@ -42,11 +44,14 @@ ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "no-drafts", "fixed", "adaptive")
 
 
-def _config(mode: str, device: str):
+FUSED = {"auto": None, "on": True, "off": False}
+
+
+def _config(mode: str, device: str, fused: str = "auto"):
     from mg.runtime.config import RunConfig
 
     speculation = {"plain": "fixed", "no-drafts": "adaptive"}.get(mode, mode)
-    return RunConfig(device=device, dflash=mode != "plain", speculation=speculation)
+    return RunConfig(device=device, dflash=mode != "plain", speculation=speculation, fused_rounds=FUSED[fused])
 
 
 def _never_draft(engine) -> None:
@@ -202,21 +207,26 @@ def _timed(engine, reqs) -> float:
     return time.perf_counter() - t0
 
 
-def _engine(artifact, mode: str, device: str):
+def _runs(reqs: list, n) -> list[list]:
+    """The timed runs of a row: the first n requests at once, or (n = "alone") each request alone in turn."""
+    return [[r] for r in reqs] if n == "alone" else [reqs[:n]]
+
+
+def _engine(artifact, mode: str, device: str, fused: str = "auto"):
     from mg.runtime.engine import Engine
 
-    engine = Engine(artifact, _config(mode, device))
+    engine = Engine(artifact, _config(mode, device, fused))
     if mode == "no-drafts":
         _never_draft(engine)
     engine.warm_up()
     return engine
 
 
-def _sync_sites(artifact, mode: str, device: str, reqs) -> dict[str, int]:
+def _sync_sites(artifact, mode: str, device: str, reqs, fused: str = "auto") -> dict[str, int]:
     """Synchronising calls of one run by the last three frames of this project's code that made them."""
     import torch
 
-    engine, sites = _engine(artifact, mode, device), collections.Counter()
+    engine, sites = _engine(artifact, mode, device, fused), collections.Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
         frames = [f for f in traceback.extract_stack()[:-1] if "/mg/" in f.filename or "/runtime/" in f.filename]
@@ -242,6 +252,12 @@ def main() -> int:
                    help=f"comma-separated, run in order: {', '.join(MODES)} (a mode named twice runs a second engine "
                         "of it in the same process, after the others before it)")
     p.add_argument("--batches", default="1,8,20", help="prompts served at once (the first N held-out prompts)")
+    p.add_argument("--alone", action="store_true",
+                   help="also serve every prompt alone, one after another on one engine per mode (as eval_dflash.py's "
+                        "single prompts); its row's prompts column says 'alone'")
+    p.add_argument("--fused-rounds", choices=tuple(FUSED), default="auto",
+                   help="fused DFlash rounds: auto (on where CUDA graphs are: the GPU), on (also on the CPU, to see "
+                        "the GPU's choice path there) or off")
     p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--profile", type=Path, default=None, help="folder for a cProfile listing per mode")
@@ -278,13 +294,13 @@ def main() -> int:
             args.profile.mkdir(parents=True, exist_ok=True)
         rows, sites = [], {}
         for mode in modes:
-            for n in batches:
-                engine = _engine(artifact, mode, args.device)
+            for n in batches + (["alone"] if args.alone else []):
+                engine = _engine(artifact, mode, args.device, args.fused_rounds)
                 kinds = _StepKinds(engine) if args.by_kind else None
                 appends = _AppendTimes(engine) if args.appends and engine.spec is not None else None
                 spec_times = _SpecTimes(engine) if args.speculator and engine.spec is not None else None
                 captures = engine.graph_counters.captures
-                seconds = _timed(engine, reqs[:n])
+                seconds = sum(_timed(engine, run) for run in _runs(reqs, n))
                 tokens, stats = engine.stats.generated_tokens, engine.spec_stats
                 rows.append({"mode": mode, "prompts": n, "steps": engine.stats.steps, "tokens": tokens,
                              "ms_per_step": 1e3 * seconds / engine.stats.steps, "tokens_per_s": tokens / seconds,
@@ -301,7 +317,7 @@ def main() -> int:
                 print(f"{mode} x{n}: {r['ms_per_step']:.3f} ms/step, {r['tokens_per_s']:.1f} tok/s, "
                       f"{r['captures_during_run']} captures", file=sys.stderr)
             if args.profile is not None:
-                engine, prof = _engine(artifact, mode, args.device), cProfile.Profile()
+                engine, prof = _engine(artifact, mode, args.device, args.fused_rounds), cProfile.Profile()
                 prof.enable()
                 _timed(engine, reqs[:1])
                 prof.disable()
@@ -312,7 +328,7 @@ def main() -> int:
                 (args.profile / f"profile_{mode}.txt").write_text(text.getvalue())
                 prof.dump_stats(args.profile / f"profile_{mode}.prof")
             if args.device == "cuda":
-                sites[mode] = _sync_sites(artifact, mode, args.device, reqs[:1])
+                sites[mode] = _sync_sites(artifact, mode, args.device, reqs[:1], args.fused_rounds)
 
     lines = ["| mode | prompts | steps | ms/step | tok/s | graph captures in the run | chosen k: k = 0 / k > 0 |",
              "|---|---|---|---|---|---|---|"]

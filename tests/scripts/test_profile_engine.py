@@ -100,3 +100,26 @@ def test_speculator_times_count_every_call_once_by_kind_of_step(tiny_dflash_seq_
     assert got["commit"]["calls"] > 0 and got["end_commits"]["calls"] > 0
     assert all(v["median_us"] is None or v["median_us"] * 1e-3 <= v["total_ms"] for v in got.values())
     assert 0 < sum(v["total_ms"] for v in got.values()) <= 1e3 * wall
+
+
+def test_alone_serves_every_prompt_in_turn_on_one_engine_with_fused_rounds_asked_for(tiny_dflash_seq_artifact,
+                                                                                    monkeypatch):
+    """`--alone` times each request alone on one engine (the speculator's calls of all of them counted), and
+    `--fused-rounds on` gives the CPU engine fused rounds, `off` none."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import profile_engine
+    from mg.runtime.artifact import load_artifact
+    from mg.runtime.scheduler import Request
+
+    reqs = [Request(f"r{i}", tuple(range(5 + i, 12 + 2 * i)), 6) for i in range(3)]
+    assert profile_engine._runs(reqs, 2) == [reqs[:2]] and profile_engine._runs(reqs, "alone") == [[r] for r in reqs]
+    art = load_artifact(tiny_dflash_seq_artifact)
+    assert not profile_engine._engine(art, "adaptive", "cpu", "off").spec.rounds
+    engine = profile_engine._engine(art, "adaptive", "cpu", "on")
+    assert engine.spec.rounds
+    times = profile_engine._SpecTimes(engine)
+    seconds = sum(profile_engine._timed(engine, run) for run in profile_engine._runs(reqs, "alone"))
+    assert seconds > 0 and engine.stats.generated_tokens == 18
+    spec = times.as_dict()
+    assert spec["step_done"]["calls"] + spec["step_done (prompt step)"]["calls"] == engine.stats.steps
+    assert spec["step_done (prompt step)"]["calls"] >= 3  # one prompt step per request at least
