@@ -921,7 +921,8 @@ class Speculator:
                 floor = rate * share * c.probe_overrun() / PROBE_BUDGET
                 self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=floor)}
             if not self._probing:
-                until = self._keep_until(slots, floor, KEEP_STEPS if best_rate <= KEEP_MARGIN * rate else KEEP_NEAR_STEPS)
+                keep = KEEP_STEPS if best_rate <= KEEP_MARGIN * rate else KEEP_NEAR_STEPS
+                until = self._keep_until(slots, floor, keep)
                 if until > self._steps:
                     self._kept = (slots, self.acceptance, self.acceptance.version, c, until)
                 return [0] * n
