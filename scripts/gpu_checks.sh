@@ -19,8 +19,10 @@
 # ${MG_BENCH_WORKDIR:-a temporary folder}, one layout at a time) and benchmarks it: it needs ~25 GB of
 # free disk and ~5 minutes. `real-quant` exports the first ${MG_QUANT_LAYERS:-8} layers of MG-30B five times
 # (bf16; int8; int8 with the head quantized too; int4 in groups of 128; int4 with its head) and times a decode
-# step of each, the int4 ones also with --int4-tensor-cores (~14 minutes, ~25 GB of disk). `serve` runs scripts/bench_serve.py
-# against `mg-serve --device cuda` (needs the serving packages: fastapi, uvicorn, openai, prometheus-client).
+# step of each, the int4 ones also with --int4-tensor-cores (~14 minutes, ~25 GB of disk). `tests` runs the CUDA
+# tests in one process, or with MG_TEST_WORKERS=N in N pytest-xdist workers (each exports and compiles its own
+# test artifacts). `serve` runs scripts/bench_serve.py against `mg-serve --device cuda` (needs the serving
+# packages: fastapi, uvicorn, openai, prometheus-client).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
@@ -36,7 +38,8 @@ steps=("$@")
 status=0
 for step in "${steps[@]}"; do
     case "$step" in
-        tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/runtime tests/export/test_quantize.py 2>&1 | tee "$OUT/cuda_tests.log" ;;
+        tests) python3 -m pytest -q -p no:cacheprovider ${MG_TEST_WORKERS:+-n "$MG_TEST_WORKERS" --dist loadfile} -m cuda \
+                  tests/kernels tests/runtime tests/export/test_quantize.py 2>&1 | tee "$OUT/cuda_tests.log" ;;
         attention) python3 scripts/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" ;;
         draft-attention) python3 scripts/bench_draft_attention.py --out "$OUT/bench_draft_attention.json" 2>&1 \
                   | tee "$OUT/bench_draft_attention.md" ;;
