@@ -145,18 +145,18 @@ class Engine:
         """Serve a few short throwaway requests through every kind of step a first request may take, so that
         the process's one-time work on each path (on CUDA: kernels loaded at their first launch, the first
         call of each eager operation) is paid now, not inside the first requests' time (docs/ARCHITECTURE.md
-        section 6.1, "Rehearsal"). Steps with drafts first, when the engine speculates: a prompt step, a round of one
-        greedy sequence (fused where it can be), a step that drafts beside two prompt chunks, then greedy and
+        section 6.1, "Rehearsal"). Steps with drafts first, when the engine speculates: a prompt step, a round of
+        one greedy sequence (fused where it can be), a step that drafts beside two prompt chunks, then greedy and
         sampled sequences drafting together; then plain steps of a greedy and a sampled sequence, and of the
-        greedy one alone. Nothing is
-        learnt or counted (`Speculator.rehearsal`); results are dropped. Only on an idle engine (a no-op
-        otherwise: requests or results of the caller's are pending), and requests that the artifact's limits refuse
-        are left out."""
+        greedy one alone. Nothing is learnt or counted (`Speculator.rehearsal`); results are dropped. Only on an
+        idle engine (a no-op otherwise: requests or results of the caller's are pending), and requests that the
+        artifact's limits refuse are left out."""
         if not self.scheduler.idle or self._inflight is not None or self._results:
             return
         m = self.artifact.manifest
         length = max(2, min(12, m.kv.capacity // 4, m.kv.max_write // 4))  # two prompts and drafts fit one step
-        greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_k=min(20, m.model.vocab_size), top_p=0.9, seed=0)
+        greedy = SamplingParams()
+        sampled = SamplingParams(temperature=0.8, top_k=min(20, m.model.vocab_size), top_p=0.9, seed=0)
 
         def request(i: int, sampling: SamplingParams, new: int = length) -> Request:
             prompt = tuple((101 + 37 * (i * length + j)) % m.model.vocab_size for j in range(length))

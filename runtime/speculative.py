@@ -739,7 +739,7 @@ class Speculator:
             self.rounds = [r for r in (FusedRound(runner, b) for b in blocks) if r.limit >= 1]
         self.fused = next((r for r in self.rounds if r.block == block), None)  # the full block's rounds
         self._round_now: Optional[FusedRound] = None  # this step's fused round, if anyone drafts (as chosen)
-        self._kept: Optional[tuple] = None  # a plain step chosen with a margin, kept for the next steps (_choose_round)
+        self._kept: Optional[tuple] = None  # a plain step chosen, kept for the next few steps (`_keep`)
         self._steps = 0  # steps chosen so far (`choose` calls): the clock of kept plain steps
         self._prompt_steps = 0  # steps in a row that prompt chunks could join (due probes wait: PROBE_WAIT)
         self._clear_plain = False  # `_best_drafts`: even every draft accepted would pay KEEP_MARGIN less than plain
@@ -842,10 +842,8 @@ class Speculator:
             # Kept no later than the first probe could fall due: its wait's floor is at least that of the cheapest
             # probe (one draft row), or of a shadow probe.
             floor = rate * (self._step_cost(n, 1, 1) - self._step_cost(n, 0, 0)) * overrun / PROBE_BUDGET
-            until = self._keep_until(slots, min(floor, shadow_floor) if self.shadow else floor,
-                                     KEEP_STEPS if self._clear_plain else KEEP_NEAR_STEPS)
-            if until > self._steps:
-                self._kept = (slots, self.acceptance, self.acceptance.version, c, until)
+            self._keep(slots, min(floor, shadow_floor) if self.shadow else floor,
+                       KEEP_STEPS if self._clear_plain else KEEP_NEAR_STEPS)
         self._prediction = (len(chosen), sum(self._waiting.count[decode[i].slot] for i in chosen))
         if chosen:  # each drafting sequence's predicted seconds on top of a plain step: verify rows, draft share
             rows, share = n + sum(ks), c.draft(len(chosen)) / len(chosen)
@@ -921,10 +919,7 @@ class Speculator:
                 floor = rate * share * c.probe_overrun() / PROBE_BUDGET
                 self._probing = {slot for slot in chosen if self.probes.due(slot, 1.0, floor=floor)}
             if not self._probing:
-                keep = KEEP_STEPS if best_rate <= KEEP_MARGIN * rate else KEEP_NEAR_STEPS
-                until = self._keep_until(slots, floor, keep)
-                if until > self._steps:
-                    self._kept = (slots, self.acceptance, self.acceptance.version, c, until)
+                self._keep(slots, floor, KEEP_STEPS if best_rate <= KEEP_MARGIN * rate else KEEP_NEAR_STEPS)
                 return [0] * n
         self._round_now = fr
         if self.trace is not None:
@@ -945,7 +940,7 @@ class Speculator:
         time per step, a tenth of a plain step on a GPU, and a sequence whose rounds come within the margin
         without paying (its estimates near the break-even point, and no observation to move them while it does
         not draft) would pay it at every step; the check is a few comparisons (the last kept step was computed
-        when the plain step was chosen, `_keep_until`)."""
+        when the plain step was chosen, `_keep`)."""
         kept_slots, acceptance, version, costs, until = self._kept
         if (self._steps > until or kept_slots != slots or acceptance is not self.acceptance
                 or version != acceptance.version or costs is not self.costs):
@@ -956,13 +951,14 @@ class Speculator:
             self.trace.append({"n": len(slots), "chose": 0, "kept": True})
         return True
 
-    def _keep_until(self, slots: list[int], floor: float, keep: int) -> int:
-        """The last step (`_steps`) a plain step chosen now is kept for: `keep` more, and none at or after the
-        first step at which one of `slots` has a probe due (by `floor`, as the choice computed it). A slot's
-        plain-step count grows by at most one per step, so no due probe is ever skipped; a drafting step
+    def _keep(self, slots: list[int], floor: float, keep: int) -> None:
+        """Keep the plain step chosen now for `slots` (`_keep_plain`): for `keep` more steps, and none at or
+        after the first step at which one of `slots` has a probe due (by `floor`, as the choice computed it). A
+        slot's plain-step count grows by at most one per step, so no due probe is ever skipped; a drafting step
         changes the estimates' version, which ends the keeping too."""
-        steps = min(self.probes.steps_until_due(slot, floor) for slot in slots)
-        return self._steps + min(keep, steps - 1)
+        until = self._steps + min(keep, min(self.probes.steps_until_due(slot, floor) for slot in slots) - 1)
+        if until > self._steps:
+            self._kept = (slots, self.acceptance, self.acceptance.version, self.costs, until)
 
     def _best_drafts(self, decode: list, limits: list[int], rows_left: int) -> list[int]:
         """The draft rows with the most expected committed tokens per second (module docstring)."""

@@ -312,6 +312,21 @@ def _round_costs(engine, forward_s: float, round_s: dict) -> CostModel:
     return CostModel(flat, {1: forward_s}, {n: 0.0 for n in sizes}, padded=True, rounds=rounds)
 
 
+def _never_right(spec, slots: int) -> None:
+    """Slots 0 .. slots-1 have drafted 20 rounds of 7 drafts and had none accepted."""
+    for slot in range(slots):
+        for _ in range(20):
+            spec.acceptance.observe(slot, 7, 0)
+
+
+def _no_draft_accepted_nor_probe_due(engine) -> None:
+    """The engine's drafter is known never to be right (global counts of 50 rounds, none accepted; no prior),
+    and no probe ever falls due."""
+    spec, k = engine.spec, engine.spec.block - 1
+    spec.probes = ProbeSchedule(engine.cache.n_slots, start=10 ** 9, cap=10 ** 9)
+    spec.acceptance = AcceptanceModel(engine.cache.n_slots, k, prior=0.0, global_counts=([0.0] * k, [50.0] * k))
+
+
 def test_adaptive_chooses_the_round_block_with_the_most_tokens_per_second(tiny_dflash_cell_artifact):
     """Fused rounds hold every member's whole block, so adaptive speculation chooses per step: a plain step or
     a round of one block, all members drafting what they may. The cell artifact fits 3 members in a round of
@@ -335,9 +350,7 @@ def test_adaptive_chooses_the_round_block_with_the_most_tokens_per_second(tiny_d
     spec.choose(seqs, 21, prefill=True)
     assert spec._round_now is None  # prompt chunks may join the step: priced and run as separate calls
     spec.acceptance = type(spec.acceptance)(spec.runner.cache.n_slots, spec.block - 1)
-    for slot in range(6):  # the drafter is always wrong: plain steps (until a probe is due)
-        for _ in range(20):
-            spec.acceptance.observe(slot, 7, 0)
+    _never_right(spec, 6)  # plain steps (until a probe is due)
     assert spec.choose(seqs, 21) == [0, 0, 0]
     # A probe is due once its share of the best round (block 8 here: 2 ms, 1 ms over a plain step, for 3
     # members) fits PROBE_BUDGET of plain decoding: 3000 tok/s x 0.33 ms / 0.05 = 20 plain steps.
@@ -357,9 +370,7 @@ def test_a_due_probe_in_a_step_that_could_fuse_goes_in_the_shadow_without_a_roun
     spec = engine.spec
     assert spec.shadow
     seqs = [_seq(i) for i in range(3)]
-    for slot in range(3):  # the drafter is always wrong
-        for _ in range(20):
-            spec.acceptance.observe(slot, 7, 0)
+    _never_right(spec, 3)
     spec.costs = _round_costs(engine, 1e-3, {8: 2e-3, 4: 1.5e-3})
     for steps in range(200):
         assert spec.choose(seqs, 21) == [0, 0, 0] and spec._round_now is None and not spec._probing
@@ -406,9 +417,7 @@ def test_a_plain_step_chosen_with_a_margin_is_kept_for_a_few_steps(tiny_dflash_c
     engine = Engine(load_artifact(tiny_dflash_cell_artifact), RunConfig(fused_rounds=True))
     spec = engine.spec
     seqs = [_seq(i) for i in range(3)]
-    for slot in range(3):  # the drafter is always wrong
-        for _ in range(20):
-            spec.acceptance.observe(slot, 7, 0)
+    _never_right(spec, 3)
     spec.costs = _round_costs(engine, 1e-3, {8: 9e-3, 4: 5e-3})
     priced, round_cost = [], spec.costs.round
     spec.costs.round = lambda name, n: (priced.append(name), round_cost(name, n))[1]
@@ -435,9 +444,7 @@ def test_a_plain_step_chosen_over_a_round_that_nearly_pays_is_kept_for_fewer_ste
     KEEP_NEAR_STEPS steps, then the rounds are priced again; a round 10% worse or more keeps it for KEEP_STEPS."""
     engine = Engine(load_artifact(tiny_dflash_cell_artifact), RunConfig(fused_rounds=True))
     spec = engine.spec
-    spec.probes = ProbeSchedule(engine.cache.n_slots, start=10 ** 9, cap=10 ** 9)  # no probe falls due
-    k = spec.block - 1
-    spec.acceptance = AcceptanceModel(engine.cache.n_slots, k, prior=0.0, global_counts=([0.0] * k, [50.0] * k))
+    _no_draft_accepted_nor_probe_due(engine)
     seqs = [_seq(i) for i in range(3)]
     # No draft accepted: a round commits 3 tokens (one per member) as a plain step does. A plain step of 1 ms,
     # rounds of 1.05 ms: 0.95 of the plain step's rate, within the margin.
@@ -479,18 +486,10 @@ def test_a_round_is_never_priced_below_a_plain_step(tiny_dflash_cell_artifact):
     plain (no probe is due here: one that costs nothing more than a plain step would run)."""
     engine = Engine(load_artifact(tiny_dflash_cell_artifact), RunConfig(fused_rounds=True))
     spec = engine.spec
-    k = spec.block - 1
-    spec.probes = ProbeSchedule(engine.cache.n_slots, start=10 ** 9, cap=10 ** 9)
-    spec.acceptance = AcceptanceModel(engine.cache.n_slots, k, prior=0.0, global_counts=([0.0] * k, [50.0] * k))
+    _no_draft_accepted_nor_probe_due(engine)
     seqs = [_seq(i) for i in range(3)]
     spec.costs = _round_costs(engine, 1e-3, {8: 0.5e-3, 4: 0.4e-3})
     assert spec.choose(seqs, 21) == [0, 0, 0] and spec._round_now is None
-
-
-def _never_right(spec, slots: int) -> None:
-    for slot in range(slots):
-        for _ in range(20):
-            spec.acceptance.observe(slot, 7, 0)
 
 
 def _separate_costs(draft: float) -> CostModel:

@@ -1314,4 +1314,3 @@ def test_an_appends_spans_are_cut_at_each_calls_rows():
             cut = _cut_spans(spans, lo, lo + limit)
             assert [(slot, first + j) for slot, first, m in cut for j in range(m)] == rows[lo:lo + limit]
             assert all(m > 0 for _, _, m in cut)
-
