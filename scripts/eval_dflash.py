@@ -147,7 +147,7 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
     timing of a short run on a shared machine swings by more than the differences sought, and the noise
     only ever adds time. `traces`: gets {run: adaptive speculation's choices per step} of each prompt's and
     the batch's last adaptive run. `settings`: every engine's other `RunConfig` fields ((name, value) pairs:
-    overlap, row_invariant, rows_kernel); `compare_overlap`: one more target-only engine, its steps read back at
+    overlap, compile, row_invariant, rows_kernel); `compare_overlap`: one more target-only engine, its steps read back at
     once, timed in the same rounds. `drafters`: {label: artifact} of the same target with other drafter weights
     (`--draft-weights`): each policy also runs on each, as "<policy> (<label> drafter)", in the same rounds."""
     reqs = _requests(prompts, artifact_dir, max_new)
@@ -296,6 +296,9 @@ def main() -> int:
                    help="runs per measurement, target-only and DFlash interleaved; the fastest is kept")
     add_overlap_arg(p)
     add_matmul_args(p)
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="methods as compiled fused code (RunConfig.compile): auto = on CUDA, interpreted on the CPU "
+                        "[default: auto]")
     p.add_argument("--compare-overlap", action="store_true",
                    help="also time target-only with every step read back at once (no overlap), in the same rounds")
     p.add_argument("--out", type=Path, required=True)
@@ -325,11 +328,12 @@ def main() -> int:
     results = {"device": args.device, "dtype": args.dtype or "checkpoint's",
                "draft_weights": schemes, "prompts": str(args.prompts),
                "max_new_tokens": args.max_new_tokens,
-               "speculation": args.speculation.split(","), "overlap": args.overlap,
+               "speculation": args.speculation.split(","), "overlap": args.overlap, "compile": args.compile,
                "row_invariant": args.row_invariant, "rows_kernel": args.rows_kernel,
                "matmul": matmul_name(RunConfig(device=args.device, **matmul_settings(args))), "layouts": {}}
     traces = {}
-    settings = tuple(sorted({"overlap": auto_on_off(args.overlap), **matmul_settings(args)}.items()))
+    settings = tuple(sorted({"overlap": auto_on_off(args.overlap), "compile": auto_on_off(args.compile),
+                             **matmul_settings(args)}.items()))
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
             arts = {scheme: _export(args.checkpoint, args.draft_checkpoint, layout, Path(tmp) / f"{layout}-{scheme}",

@@ -5,7 +5,10 @@ prompt alone, one after another on one engine) with DFlash off (`plain`), as a
 DFlash engine that never drafts (`no-drafts`: DFlash's bookkeeping alone), with fixed blocks and with
 adaptive speculation, on one artifact (default: the embedded default, exported into a
 temporary folder); `--fused-rounds on` runs fused DFlash rounds on the CPU too, so that the choice takes the
-path it takes on a GPU. For each mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
+path it takes on a GPU. A mode may carry how its methods run: `plain:compiled`, `adaptive:interpreted`, ...
+(`RunConfig.compile`; without a suffix, the device's default: compiled on CUDA, interpreted on the CPU), so
+that `--modes plain,plain:compiled,plain,plain:compiled` compares the two in turns in one process. For each
+mode and batch it reports steps, milliseconds per step, tokens per second, CUDA
 graph captures during the timed run (a capture mid-run means storage moved) and the chosen-k histogram;
 `--appends` adds the host time of the timed runs' context appends (committed hidden rows into the draft cache)
 and of their parts, median milliseconds per append; `--speculator` the host time of the speculator's calls in
@@ -15,11 +18,13 @@ flight), each step timed on the host around `Engine.step` (with overlapped steps
 for the step before it). On
 CUDA it also counts the synchronising calls of one single-prompt run per mode by call site
 (`torch.cuda.set_sync_debug_mode("warn")`). `--profile DIR` writes a cProfile listing per mode (single
-prompt; by cumulative and by own time) and the raw statistics (`profile_<mode>.prof`, for `pstats`). Engines are built and warmed up (graphs captured, costs measured) before their clock starts, as in
+prompt; by cumulative and by own time) and the raw statistics (`profile_<mode>.prof`, for `pstats`; a
+mode's colon becomes a dash). Engines are built and warmed up (graphs captured, costs measured) before their clock starts, as in
 `eval_dflash.py`. Prints Markdown; `--out` writes JSON.
 
     python3 scripts/profile_engine.py --device cuda --out profile.json --profile prof/
     python scripts/profile_engine.py out/default --modes plain,adaptive --batches 1,20
+    python scripts/profile_engine.py --modes plain,plain:compiled,plain,plain:compiled --batches 8 --alone
 """
 
 from __future__ import annotations
@@ -37,11 +42,21 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Optional
 
 from script_common import add_artifact_args, artifact_dir, int_list
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "no-drafts", "fixed", "adaptive")
+EXECUTIONS = {"compiled": True, "interpreted": False}  # a mode's optional suffix: RunConfig.compile
+
+
+def _parse_mode(mode: str) -> Optional[tuple[str, Optional[bool]]]:
+    """"adaptive" -> ("adaptive", None); "plain:compiled" -> ("plain", True); None for a name it does not know."""
+    name, colon, how = mode.partition(":")
+    if name not in MODES or (colon and how not in EXECUTIONS):
+        return None
+    return name, EXECUTIONS[how] if colon else None
 
 
 FUSED = {"auto": None, "on": True, "off": False}
@@ -50,8 +65,10 @@ FUSED = {"auto": None, "on": True, "off": False}
 def _config(mode: str, device: str, fused: str = "auto"):
     from mg.runtime.config import RunConfig
 
-    speculation = {"plain": "fixed", "no-drafts": "adaptive"}.get(mode, mode)
-    return RunConfig(device=device, dflash=mode != "plain", speculation=speculation, fused_rounds=FUSED[fused])
+    name, compile_methods = _parse_mode(mode)
+    speculation = {"plain": "fixed", "no-drafts": "adaptive"}.get(name, name)
+    return RunConfig(device=device, dflash=name != "plain", speculation=speculation, fused_rounds=FUSED[fused],
+                     compile=compile_methods)
 
 
 def _never_draft(engine) -> None:
@@ -216,7 +233,7 @@ def _engine(artifact, mode: str, device: str, fused: str = "auto"):
     from mg.runtime.engine import Engine
 
     engine = Engine(artifact, _config(mode, device, fused))
-    if mode == "no-drafts":
+    if _parse_mode(mode)[0] == "no-drafts":
         _never_draft(engine)
     engine.warm_up()
     return engine
@@ -249,8 +266,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_artifact_args(p)
     p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated, run in order: {', '.join(MODES)} (a mode named twice runs a second engine "
-                        "of it in the same process, after the others before it)")
+                   help=f"comma-separated, run in order: {', '.join(MODES)}, each optionally with :compiled or "
+                        ":interpreted (a mode named twice runs a second engine of it in the same process, after the "
+                        "others before it)")
     p.add_argument("--batches", default="1,8,20", help="prompts served at once (the first N held-out prompts)")
     p.add_argument("--alone", action="store_true",
                    help="also serve every prompt alone, one after another on one engine per mode (as eval_dflash.py's "
@@ -272,8 +290,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     modes = args.modes.split(",")
-    if any(m not in MODES for m in modes):
-        p.error(f"--modes is {args.modes!r}; allowed: comma-separated names among {', '.join(MODES)}")
+    if any(_parse_mode(m) is None for m in modes):
+        p.error(f"--modes is {args.modes!r}; allowed: comma-separated names among {', '.join(MODES)}, each "
+                f"optionally with :{' or :'.join(EXECUTIONS)}")
     batches = int_list(p, "--batches", args.batches)
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -325,8 +344,9 @@ def main() -> int:
                 listing = pstats.Stats(prof, stream=text)
                 listing.sort_stats("cumulative").print_stats(50)
                 listing.sort_stats("tottime").print_stats(40)
-                (args.profile / f"profile_{mode}.txt").write_text(text.getvalue())
-                prof.dump_stats(args.profile / f"profile_{mode}.prof")
+                stem = f"profile_{mode.replace(':', '-')}"
+                (args.profile / f"{stem}.txt").write_text(text.getvalue())
+                prof.dump_stats(args.profile / f"{stem}.prof")
             if args.device == "cuda":
                 sites[mode] = _sync_sites(artifact, mode, args.device, reqs[:1], args.fused_rounds)
 

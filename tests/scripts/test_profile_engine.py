@@ -3,6 +3,7 @@ scheduled (prompt chunks, plain decode rows, drafts), and the times add up to no
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -123,3 +124,26 @@ def test_alone_serves_every_prompt_in_turn_on_one_engine_with_fused_rounds_asked
     spec = times.as_dict()
     assert spec["step_done"]["calls"] + spec["step_done (prompt step)"]["calls"] == engine.stats.steps
     assert spec["step_done (prompt step)"]["calls"] >= 3  # one prompt step per request at least
+
+
+def test_a_mode_suffix_sets_how_the_methods_run_and_an_unknown_one_is_refused(tiny_dflash_seq_artifact,
+                                                                              monkeypatch):
+    """`plain:compiled` / `adaptive:interpreted` set `RunConfig.compile` (no suffix: the device's default), and
+    `--modes` with a name or suffix it does not know is one line, exit 2."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import profile_engine
+
+    plain = profile_engine._config("plain:compiled", "cpu")
+    assert plain.compile is True and plain.compiled and not plain.dflash
+    adaptive = profile_engine._config("adaptive:interpreted", "cpu")
+    assert adaptive.compile is False and adaptive.dflash and adaptive.speculation == "adaptive"
+    assert profile_engine._config("no-drafts", "cpu").compile is None
+    assert profile_engine._parse_mode("fixed:compiled") == ("fixed", True)
+    for bad in ("plain:fast", "greedy", "plain:"):
+        assert profile_engine._parse_mode(bad) is None
+        run = subprocess.run([sys.executable, str(SCRIPTS / "profile_engine.py"), str(tiny_dflash_seq_artifact),
+                              "--modes", f"plain,{bad}"], capture_output=True, text=True)
+        assert run.returncode == 2
+        assert run.stderr.strip().splitlines()[-1].endswith(
+            f"--modes is 'plain,{bad}'; allowed: comma-separated names among plain, no-drafts, fixed, adaptive, "
+            "each optionally with :compiled or :interpreted")
