@@ -45,6 +45,8 @@ class Summary:
     mean_acceptance_length: float = 0.0
     chosen_k_hist: tuple = ()  # [k] = decode steps of one sequence that verified k drafts
     stalls: int = 0  # plain steps left out of adaptive speculation's pricing as stalls (`SpecStats.stalls`)
+    probes: int = 0  # round probes of sequences kept at plain steps (`SpecStats.probes`)
+    probes_paid: int = 0  # of those, the ones that paid for their time (`SpecStats.probes_paid`)
     cuda_graphs: bool = False
     graph_captures: int = 0
     graph_replays: int = 0
@@ -63,6 +65,8 @@ class Summary:
             text += (f"; DFlash ({self.speculation}) {self.rounds} rounds, {self.drafted_tokens} drafted, "
                      f"{self.accepted_tokens} accepted, mean acceptance length {self.mean_acceptance_length:.2f}, "
                      f"{plain} plain decode steps")
+            if self.probes:
+                text += f", {self.probes} probes ({self.probes_paid} paid)"
         if self.overlapped_steps:
             text += f"; {self.overlapped_steps} steps overlapped"
         if self.cuda_graphs:
@@ -83,7 +87,7 @@ def _summary(layout: str, n: int, failed: int, engine: Engine) -> Summary:
                    dflash=engine.spec is not None, speculation=config.speculation if engine.spec else "",
                    rounds=spec.rounds, drafted_tokens=spec.drafted_tokens, accepted_tokens=spec.accepted_tokens,
                    mean_acceptance_length=spec.mean_acceptance_length, chosen_k_hist=tuple(spec.chosen_k_hist),
-                   stalls=spec.stalls,
+                   stalls=spec.stalls, probes=spec.probes, probes_paid=spec.probes_paid,
                    cuda_graphs=config.graphs, graph_captures=graphs.captures, graph_replays=graphs.replays,
                    recaptures=graphs.recaptures, weights=engine.runner.artifact.manifest.weights_label,
                    overlapped_steps=stats.overlapped_steps)

@@ -147,6 +147,9 @@ class SpecStats:
     stalls: int = 0  # plain steps whose time was left out of the host-work windows as stalls (`CostModel.record`)
     shadow_probes: int = 0  # drafts made for a sequence at a plain step and compared with its next tokens
     shadow_accepted: int = 0  # of their drafts, those a round would have accepted
+    probes: int = 0  # rounds a sequence kept at k = 0 drafted in to check on the drafter (round probes)
+    probes_paid: int = 0  # of those, the ones whose accepted drafts paid for their time (probes of untimed steps,
+    # with prompt chunks, graph captures or a sequence that finished, are not judged: `step_done`)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -1041,6 +1044,7 @@ class Speculator:
                 extra = max(extra, over * extra / predicted)
             need = self._plain_rate * extra  # tokens the probe had to accept to pay
             paid = accepted > 0 and accepted >= need
+            self.stats.probes_paid += paid
             self.probes.probed(slot, paid, 0.0 if paid else need / PROBE_BUDGET)
 
     def _cost_model(self) -> CostModel:
@@ -1210,6 +1214,7 @@ class Speculator:
             self.acceptance.observe(seq.slot, k, accepted)
             self.probes.drafted(seq.slot)
             if seq.slot in self._probing:
+                st.probes += 1
                 self._probed[seq.slot] = accepted  # judged in step_done, once the step's time is known
 
     def reserve_known(self, decode: list, ks: list[int], prefill: list) -> list[int]:

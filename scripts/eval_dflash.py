@@ -6,7 +6,8 @@ adaptive, fixed, or both), each prompt alone (per-prompt acceptance and time) an
 (throughput), each measurement `--repeats` times (target-only and DFlash interleaved; the fastest run
 is kept), every run of a setting on one engine built and warmed up before the first clock starts. Prints a Markdown table and writes JSON with the distribution per prompt and per block row,
 the histogram of chosen draft lengths k (k = 0: a plain decode step), every run's time and every DFlash
-run's stalls (plain steps left out of adaptive speculation's pricing, over twice their price), the single
+run's stalls (plain steps left out of adaptive speculation's pricing, over twice their price), the last run's
+round probes and how many paid (sequences kept at plain steps drafting to check on the drafter), the single
 prompts' total target-only time over their total DFlash time, and how much target-only moved between its
 runs (slowest over fastest): a speed-up within about that spread of 1.0 cannot be told from 1.0.
 
@@ -197,6 +198,7 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
                 "id": req.id, "prompt_tokens": len(req.prompt), "generated": len(sd[0].tokens),
                 "lossless": ar[0].tokens == sd[0].tokens, "acceptance_length": sd_stats.mean_acceptance_length,
                 "chosen_k_hist": list(sd_stats.chosen_k_hist), "shadow_probes": sd_stats.shadow_probes,
+                "probes": sd_stats.probes, "probes_paid": sd_stats.probes_paid,
                 "target_only_s": t[None], "dflash_s": t[policy],
                 "speedup": t[None] / t[policy], "target_only_runs_s": runs_s[None], "dflash_runs_s": runs_s[policy],
                 "dflash_runs_stalls": stalls[req.id][policy]})
@@ -226,6 +228,7 @@ def evaluate_layout(artifact_dir: Path, prompts: Path, max_new: int, device: str
                         "speedup": t[None] / t[policy],
                         "mean_acceptance_length": sd_stats.mean_acceptance_length, "rounds": sd_stats.rounds,
                         "chosen_k_hist": list(sd_stats.chosen_k_hist), "shadow_probes": sd_stats.shadow_probes,
+                        "probes": sd_stats.probes, "probes_paid": sd_stats.probes_paid,
                         "dflash_runs_s": runs_s[policy],
                         "target_only_runs_s": runs_s[None], "dflash_runs_stalls": stalls["batched"][policy]},
             "single_speedup_median": statistics.median(speedups), "single_speedup_min": min(speedups),
@@ -355,6 +358,11 @@ def main() -> int:
             if single or batched:  # said only when some were (speculative.STALL_RATIO)
                 print(f"{layout} {policy}: stalls (plain steps over twice their price, left out of the pricing) "
                       f"in all runs: {single} single-prompt, {batched} batched")
+            probes = [(sum(q["probes"] for q in p["per_prompt"]), sum(q["probes_paid"] for q in p["per_prompt"])),
+                      (p["batched"]["probes"], p["batched"]["probes_paid"])]
+            if any(n for n, _ in probes):  # round probes of sequences kept at plain steps (SpecStats.probes)
+                print(f"{layout} {policy}: round probes in the last runs: {probes[0][0]} ({probes[0][1]} paid) over "
+                      f"the single prompts, {probes[1][0]} ({probes[1][1]} paid) batched")
     results["table"] = table
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0 if all(r["lossless_all"] for r in results["layouts"].values()) else 1

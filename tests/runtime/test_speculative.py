@@ -496,6 +496,33 @@ def test_adaptive_probes_a_sequence_kept_at_plain_steps(tiny_dflash_seq_artifact
     spec, seq = _rejecting(tiny_dflash_seq_artifact, _costs(forward_per_row=5e-5, draft=1e-4))
     chosen = _plain_steps_then_probe(spec, seq, 30)
     assert chosen == [0] * 8 + [4] + [0] * 16 + [4] + [0] * 4  # a cheap probe after 8 plain steps, then 16
+    assert (spec.stats.probes, spec.stats.probes_paid) == (2, 0)  # both counted, neither accepted a draft
+
+
+def test_a_probe_that_accepts_enough_counts_as_paid(tiny_dflash_seq_artifact):
+    """`SpecStats.probes` counts every round probe, `probes_paid` those whose accepted drafts paid for their
+    step's extra time; a round of a sequence the estimates let draft is no probe."""
+    spec, seq = _rejecting(tiny_dflash_seq_artifact, _costs(forward_per_row=5e-5, draft=1e-4))
+    c = spec.costs
+    for accepted in (0, 4):  # a probe that accepts nothing, then (8 plain steps on) one that accepts all four
+        k = 0
+        while not k:
+            k = spec.choose([seq], 24)[0]
+            if not k:
+                spec.observe(seq, 0, 0)
+                spec.step_done(c.forward(1), 1)
+        spec.observe(seq, k, accepted)
+        spec.step_done(c.forward(1 + k) + c.draft(1), 1 + k)
+    assert (spec.stats.probes, spec.stats.probes_paid, spec.stats.rounds) == (2, 1, 2)
+    # The paid probe reset the wait and raised the estimates: once a sequence drafts by them, no probe is counted.
+    spec.acceptance.reset(seq.slot)
+    for _ in range(30):
+        spec.acceptance.observe(seq.slot, 4, 4)
+    k = spec.choose([seq], 24)[0]
+    assert k > 0 and seq.slot not in spec._probing
+    spec.observe(seq, k, k)
+    spec.step_done(c.forward(1 + k) + c.draft(1), 1 + k)
+    assert (spec.stats.probes, spec.stats.rounds) == (2, 3)
 
 
 def test_probes_stay_within_their_budget_of_plain_decoding(tiny_dflash_seq_artifact):
@@ -952,8 +979,21 @@ def test_mg_run_reports_dflash_statistics(tmp_path, tiny_dflash_cell_artifact, p
     data = json.loads(stats.read_text())
     assert data["dflash"] and data["speculation"] == policy
     assert sum(data["chosen_k_hist"]) > 0 and len(data["chosen_k_hist"]) <= 8
+    assert 0 <= data["probes_paid"] <= data["probes"] <= data["rounds"]
+    assert (f"{data['probes']} probes ({data['probes_paid']} paid)" in result.stderr) == (data["probes"] > 0)
     if policy == "fixed":
-        assert data["rounds"] > 0 and data["mean_acceptance_length"] >= 1.0
+        assert data["rounds"] > 0 and data["mean_acceptance_length"] >= 1.0 and data["probes"] == 0
+
+
+def test_the_run_summary_names_round_probes_when_there_were_some():
+    from mg.runtime.serve import Summary
+
+    base = dict(layout="cell", device="cpu", requests=1, failed=0, prompt_tokens=3, generated_tokens=9, steps=5,
+                wall_s=0.1, tokens_per_s=90.0, dflash=True, speculation="adaptive", rounds=3, drafted_tokens=9,
+                accepted_tokens=4, mean_acceptance_length=2.33, chosen_k_hist=(2, 0, 0, 3))
+    assert "probes" not in Summary(**base).line()
+    line = Summary(**base, probes=2, probes_paid=1).line()
+    assert line.endswith("2 plain decode steps, 2 probes (1 paid)")
 
 
 def test_cost_tables_are_kept_for_the_next_process_and_remeasured_when_unreadable(tiny_dflash_seq_artifact,
