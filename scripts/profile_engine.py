@@ -44,7 +44,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from script_common import add_artifact_args, artifact_dir, int_list
+from script_common import add_artifact_args, artifact_dir, auto_on_off, int_list
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "no-drafts", "fixed", "adaptive")
@@ -59,16 +59,14 @@ def _parse_mode(mode: str) -> Optional[tuple[str, Optional[bool]]]:
     return name, EXECUTIONS[how] if colon else None
 
 
-FUSED = {"auto": None, "on": True, "off": False}
-
 
 def _config(mode: str, device: str, fused: str = "auto"):
     from mg.runtime.config import RunConfig
 
     name, compile_methods = _parse_mode(mode)
     speculation = {"plain": "fixed", "no-drafts": "adaptive"}.get(name, name)
-    return RunConfig(device=device, dflash=name != "plain", speculation=speculation, fused_rounds=FUSED[fused],
-                     compile=compile_methods)
+    return RunConfig(device=device, dflash=name != "plain", speculation=speculation,
+                     fused_rounds=auto_on_off(fused), compile=compile_methods)
 
 
 def _never_draft(engine) -> None:
@@ -187,9 +185,8 @@ class _SpecTimes:
     def __init__(self, engine) -> None:
         self.seconds = {part: [] for part in SPEC_PARTS}
         spec = engine.spec
-        prompt_step = {"choose": lambda a, k: k.get("prefill", a[2] if len(a) > 2 else False),
-                       "reserve_known": lambda a, k: bool(a[2]),
-                       "step_done": lambda a, k: k.get("prefill", a[2] if len(a) > 2 else False)}
+        prefill = lambda a, k: k.get("prefill", a[2] if len(a) > 2 else False)  # noqa: E731  (choose, step_done)
+        prompt_step = {"choose": prefill, "reserve_known": lambda a, k: bool(a[2]), "step_done": prefill}
 
         def timed(name):
             fn, prompt = getattr(spec, name), prompt_step.get(name)
@@ -273,7 +270,7 @@ def main() -> int:
     p.add_argument("--alone", action="store_true",
                    help="also serve every prompt alone, one after another on one engine per mode (as eval_dflash.py's "
                         "single prompts); its row's prompts column says 'alone'")
-    p.add_argument("--fused-rounds", choices=tuple(FUSED), default="auto",
+    p.add_argument("--fused-rounds", choices=("auto", "on", "off"), default="auto",
                    help="fused DFlash rounds: auto (on where CUDA graphs are: the GPU), on (also on the CPU, to see "
                         "the GPU's choice path there) or off")
     p.add_argument("--prompts", type=Path, default=ROOT / "tests" / "data" / "heldout_prompts.jsonl")
